@@ -1,0 +1,1 @@
+"""Prefect flows and tasks, pipeline config, MLflow glue and the rlhf CLI."""

@@ -1,0 +1,83 @@
+"""Atomic checkpoints: a checkpoint folder either exists complete or not at all.
+
+Each checkpoint is written into a temporary sibling folder and renamed into place; the
+`latest` pointer is then replaced with os.replace, which is atomic on POSIX. A crash at any
+moment leaves the previous checkpoint as `latest`, and a half-written folder is never named.
+Weights are safetensors; other state is JSON or torch.save read back with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+@contextmanager
+def atomic_checkpoint(root: str | Path, name: str, keep_last: int | None = 2) -> Iterator[Path]:
+    """Yield a temporary folder to fill; on success it becomes root/name and root/latest names it."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        yield tmp
+        final = root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_pointer(root, name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None:
+        _prune(root, keep_last, keep=name)
+
+
+def _write_pointer(root: Path, name: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(name)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, root / LATEST)
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for old in names[: max(0, len(names) - keep_last)]:
+        if old != keep:
+            shutil.rmtree(root / old, ignore_errors=True)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The folder `latest` points to, or None when there is no complete checkpoint."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    folder = Path(root) / pointer.read_text().strip()
+    return folder if folder.is_dir() else None
+
+
+def save_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def save_state(path: Path, state: Any) -> None:
+    torch.save(state, path)
+
+
+def load_state(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,84 @@
+"""Per-token log-probabilities of sampled tokens, and the forward passes that produce them.
+
+Sequences are [left-padded prompt | right-padded response]. Three details matter:
+- position ids come from the attention mask, so a prompt's tokens get the same positions
+  whatever padding sits to its left (padding invariance);
+- logits are divided by the sampling temperature before the softmax, so pi_theta is the
+  distribution the tokens were actually drawn from;
+- the log-softmax is never materialised for the whole batch: we gather the sampled logit
+  and subtract a logsumexp, a chunk of rows at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ppo_core.losses import entropy_from_logits
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over real tokens; pads get 0 (they are masked out of attention anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, chunk_size: int = 4096
+) -> torch.Tensor:
+    """log softmax(logits)[index] along the last dim, chunked over rows to bound memory."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    out = torch.empty(flat_index.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, flat_logits.shape[0], chunk_size):
+        rows = flat_logits[start : start + chunk_size].float()
+        picked = rows.gather(-1, flat_index[start : start + chunk_size, None]).squeeze(-1)
+        out[start : start + chunk_size] = picked - torch.logsumexp(rows, dim=-1)
+    return out.view(index.shape)
+
+
+def chunked_entropy(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = [entropy_from_logits(flat[s : s + chunk_size].float()) for s in range(0, flat.shape[0], chunk_size)]
+    return torch.cat(parts).view(logits.shape[:-1])
+
+
+def response_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Logits predicting each response token, [batch, response_len, vocab], already / temperature.
+
+    Only the last response_len + 1 positions go through the LM head (`logits_to_keep`): the
+    prompt's next-token logits are never needed, and on a 49k vocabulary they are a large
+    share of the forward's FLOPs.
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_len + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens (the last response_len columns of input_ids), and the
+    temperature-scaled logits they came from (for the entropy, which the caller may need with
+    or without a gradient)."""
+    logits = response_logits(model, input_ids, attention_mask, response_len, temperature)
+    tokens = input_ids[:, -response_len:]
+    return selective_log_softmax(logits, tokens, chunk_size), logits

@@ -1,0 +1,75 @@
+"""Metric names and their aggregation.
+
+Every PPO iteration emits one flat dict through `on_metrics(iteration, metrics)`:
+
+objective/scores            mean sequence score after shaping (EOS penalty, clipping)
+objective/raw_scores        mean score as the scorer returned it
+objective/kl                mean sequence KL to the reference (sum over tokens of the estimator)
+objective/kl_coef           beta used for this iteration's rewards
+objective/entropy           mean sequence entropy estimate, sum over tokens of -log pi(a_t)
+objective/non_score_reward  mean sum over tokens of -beta * KL_t
+objective/rlhf_reward       objective/scores + objective/non_score_reward
+policy/approxkl             k3 estimate of KL(pi_old || pi_theta) during the update
+policy/clipfrac             fraction of tokens where the ratio clip was active
+policy/ratio_mean           mean importance ratio rho_t
+policy/entropy              mean per-token entropy of pi_theta during the update
+policy/epochs_completed     epochs run (fewer than ppo_epochs after a KL early stop)
+loss/policy, loss/value, loss/total
+val/mean, val/clipfrac, val/explained_variance
+returns/mean, advantages/mean
+response/length_mean, response/eos_rate
+optim/grad_norm_policy, optim/grad_norm_critic, optim/skipped_steps, lr
+time/rollout, time/score, time/forward, time/update, time/iteration   (seconds)
+throughput/generated_tokens_per_s, throughput/tokens_per_s
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ppo_core.experience import Experience
+from ppo_core.masked import masked_mean, masked_sum
+
+
+class MetricAccumulator:
+    """Collects dicts of floats; reports per-key sums or means over the dicts added."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def add(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self._sums[key] += float(value)
+            self._counts[key] += 1
+
+    def sums(self) -> dict[str, float]:
+        return dict(self._sums)
+
+    def means(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums}
+
+    def total(self, key: str) -> float:
+        return self._sums.get(key, 0.0)
+
+
+def rollout_metrics(exp: Experience, beta: float, raw_scores: torch.Tensor) -> dict[str, float]:
+    mask = exp.mask
+    seq_kl = masked_sum(exp.kl, mask, dim=1)
+    non_score = -beta * seq_kl
+    return {
+        "objective/scores": exp.scores.mean().item(),
+        "objective/raw_scores": raw_scores.mean().item(),
+        "objective/kl": seq_kl.mean().item(),
+        "objective/kl_coef": beta,
+        "objective/entropy": masked_sum(-exp.old_logprobs, mask, dim=1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (exp.scores + non_score).mean().item(),
+        "val/mean": masked_mean(exp.values, mask).item(),
+        "returns/mean": masked_mean(exp.returns, mask).item(),
+        "advantages/mean": masked_mean(exp.advantages, mask).item(),
+        "response/length_mean": mask.float().sum(1).mean().item(),
+        "response/eos_rate": exp.rollout.ended.float().mean().item(),
+    }

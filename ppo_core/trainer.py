@@ -1,0 +1,401 @@
+"""The PPO loop for causal language models, one iteration at a time.
+
+    iteration = rollout -> score -> reference log-probs + values -> rewards -> GAE
+                -> K epochs x M minibatches (fresh shuffle each epoch, micro-batch accumulation)
+
+The math lives in small modules (losses, advantages, kl, rewards); this file only orders it,
+moves tensors, steps optimizers and keeps the state a resumed run needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from ppo_core.checkpoint import (
+    atomic_checkpoint,
+    latest_checkpoint,
+    load_json,
+    load_state,
+    save_json,
+    save_state,
+)
+from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
+from ppo_core.experience import Experience, PromptSampler, ScoreFn, compute_advantages, in_chunks
+from ppo_core.kl import kl_estimate, make_kl_controller
+from ppo_core.logprobs import (
+    chunked_entropy,
+    position_ids_from_mask,
+    response_logprobs,
+    selective_log_softmax,
+)
+from ppo_core.losses import clipped_surrogate_loss, clipped_value_loss, explained_variance
+from ppo_core.masked import masked_mean, masked_sum
+from ppo_core.metrics import MetricAccumulator, rollout_metrics
+from ppo_core.models import disable_dropout, pick_device, stop_token_ids
+from ppo_core.rollout import Rollout, generate, left_pad
+from ppo_core.value import CriticModel, SharedValueHead
+from ppo_core.weights import load_module, save_module
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+"""on_metrics(iteration, metrics): how numbers leave the library (the pipeline wires it to MLflow)."""
+
+
+class PolicyOutput(NamedTuple):
+    logprobs: torch.Tensor
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class PPOTrainer:
+    """PPO on a causal LM against any `ScoreFn`.
+
+    `ref_model=None` with a peft policy uses the base model (adapter disabled) as reference,
+    so the reference costs no second copy of the weights.
+    """
+
+    def __init__(
+        self,
+        config: PPOConfig,
+        sampling: SamplingConfig,
+        policy: nn.Module,
+        ref_model: nn.Module | None,
+        critic: CriticModel | None,
+        tokenizer: PreTrainedTokenizerBase,
+        score_fn: ScoreFn,
+        prompts: Sequence[Sequence[int]],
+        device: DeviceConfig | None = None,
+        on_metrics: MetricsCallback | None = None,
+    ) -> None:
+        self.config, self.sampling, self.tokenizer = config, sampling, tokenizer
+        self.device_config = device or DeviceConfig()
+        self.device = pick_device(self.device_config.device)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        self.policy = policy.to(self.device)
+        self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
+        if self.ref_model is None and not hasattr(policy, "disable_adapter"):
+            raise ValueError("ref_model is required unless the policy is a peft model (adapter disabled = reference)")
+        self.shared_head = SharedValueHead(self._hidden_size()).to(self.device) if config.critic == "shared" else None
+        if config.critic == "separate" and critic is None:
+            raise ValueError("PPOConfig.critic='separate' needs a CriticModel")
+        self.critic = critic.to(self.device) if config.critic == "separate" and critic is not None else None
+        for model in (self.policy, self.ref_model, self.critic):
+            if model is not None:
+                disable_dropout(model)
+        if self.device_config.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+            if self.critic is not None:
+                self.critic.gradient_checkpointing_enable()
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
+        self.score_fn, self.on_metrics = score_fn, on_metrics
+        self.prompts = [list(p) for p in prompts]
+        self.sampler = PromptSampler(len(self.prompts), config.batch_size, config.seed)
+        self.stop_ids = stop_token_ids(tokenizer, sampling.stop_token_ids)
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.kl_ctl = make_kl_controller(config.kl.init_coef, config.kl.target, config.kl.horizon)
+        self.optimizers = self._make_optimizers()
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda) for opt in self.optimizers]
+        self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
+        self.iteration = 0
+        self.consecutive_skips = 0
+
+    # ---- set-up -----------------------------------------------------------------------
+    def _hidden_size(self) -> int:
+        return int(self.policy.config.hidden_size)
+
+    def _value_params(self) -> list[nn.Parameter]:
+        module = self.critic if self.critic is not None else self.shared_head
+        return [p for p in module.parameters() if p.requires_grad]
+
+    def _make_optimizers(self) -> list[torch.optim.Optimizer]:
+        cfg = self.config
+        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        critic_lr = cfg.critic_learning_rate or cfg.learning_rate
+        kwargs = {"eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+        return [
+            torch.optim.AdamW(policy_params, lr=cfg.learning_rate, **kwargs),
+            torch.optim.AdamW(self._value_params(), lr=critic_lr, **kwargs),
+        ]
+
+    def _lr_lambda(self, iteration: int) -> float:
+        if self.config.lr_schedule == "constant":
+            return 1.0
+        return max(0.0, 1.0 - iteration / self.config.total_iterations)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda" and self.device_config.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _reference(self) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        return self.policy, self.policy.disable_adapter()
+
+    # ---- one iteration ----------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        """Run one PPO iteration and return (and emit) its metrics."""
+        t0 = time.perf_counter()
+        rollout = self._rollout()
+        t1 = time.perf_counter()
+        raw_scores = self.score_fn(rollout).to(self.device).float()
+        t2 = time.perf_counter()
+        exp = self._experience(rollout, raw_scores)
+        t3 = time.perf_counter()
+        update = self._update(exp)
+        t4 = time.perf_counter()
+        seq_kl = masked_sum(exp.kl, exp.mask, dim=1).mean().item()
+        beta = self.kl_ctl.value
+        self.kl_ctl.update(seq_kl, self.config.batch_size)
+        for scheduler in self.schedulers:
+            scheduler.step()
+        self.iteration += 1
+        metrics = rollout_metrics(exp, beta, raw_scores)
+        metrics.update(update)
+        tokens = int(exp.rollout.attention_mask.sum())
+        metrics.update(
+            {
+                "lr": self.optimizers[0].param_groups[0]["lr"],
+                "time/rollout": t1 - t0,
+                "time/score": t2 - t1,
+                "time/forward": t3 - t2,
+                "time/update": t4 - t3,
+                "time/iteration": t4 - t0,
+                "throughput/generated_tokens_per_s": float(exp.mask.sum()) / max(t1 - t0, 1e-9),
+                "throughput/tokens_per_s": tokens * (1 + self.config.ppo_epochs) / max(t4 - t0, 1e-9),
+            }
+        )
+        if self.on_metrics is not None:
+            self.on_metrics(self.iteration, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def _rollout(self) -> Rollout:
+        batch = [self.prompts[i] for i in self.sampler.batch(self.iteration)]
+        query_ids, query_mask = left_pad(batch, self.pad_id)
+        with self._autocast():
+            rollout = generate(
+                self.policy,
+                query_ids,
+                query_mask,
+                self.sampling,
+                self.stop_ids,
+                self.pad_id,
+                want_logprobs=self.config.logprobs_from_generation,
+                chunk_size=self.config.logprob_chunk_size,
+            )
+        return rollout.trimmed()
+
+    @torch.no_grad()
+    def _experience(self, rollout: Rollout, raw_scores: torch.Tensor) -> Experience:
+        cfg, temp = self.config, self.sampling.temperature
+        old, ref, values = [], [], []
+        ref_model, ref_ctx = self._reference()
+        for rows in in_chunks(rollout.query_ids.shape[0], cfg.effective_micro_batch_size):
+            part = rollout.select(rows)
+            ids, am, n = part.input_ids, part.attention_mask, part.response_len
+            with self._autocast():
+                hidden = None
+                if part.logprobs is None or self.shared_head is not None:
+                    policy_out = self._policy_forward(ids, am, n)
+                    hidden = policy_out.hidden
+                    old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
+                else:
+                    old.append(part.logprobs)
+                with ref_ctx if ref_model is self.policy else contextlib.nullcontext():
+                    ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size)[0])
+                values.append(self._values(ids, am, n, hidden))
+        mask = rollout.response_mask.float()
+        return compute_advantages(
+            cfg,
+            rollout,
+            raw_scores,
+            torch.cat(old) * mask,
+            torch.cat(ref) * mask,
+            torch.cat(values).float() * mask,
+            self.kl_ctl.value,
+        )
+
+    def _policy_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> PolicyOutput:
+        """Policy log-probs and logits of the response; with a shared value head also the final
+        hidden states, so values cost no second trunk forward."""
+        if self.shared_head is None:
+            logprobs, logits = response_logprobs(
+                self.policy, ids, am, n, self.sampling.temperature, self.config.logprob_chunk_size
+            )
+            return PolicyOutput(logprobs, logits, None)
+        out = self.policy(
+            input_ids=ids,
+            attention_mask=am,
+            position_ids=position_ids_from_mask(am),
+            logits_to_keep=n + 1,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1, :] / self.sampling.temperature
+        logprobs = selective_log_softmax(logits, ids[:, -n:], self.config.logprob_chunk_size)
+        return PolicyOutput(logprobs, logits, out.hidden_states[-1])
+
+    def _values(self, ids: torch.Tensor, am: torch.Tensor, n: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        if self.critic is not None:
+            return self.critic(ids, am, n)
+        if hidden is None:
+            hidden = self._policy_forward(ids, am, n).hidden
+        return self.shared_head(hidden, n)
+
+    # ---- the update epochs ------------------------------------------------------------
+    def _update(self, exp: Experience) -> dict[str, float]:
+        cfg = self.config
+        acc = MetricAccumulator()
+        epochs_done = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(cfg.batch_size, generator=self.shuffle_gen)
+            stop = False
+            for mb_rows in order.split(cfg.mini_batch_size):
+                stats = self._minibatch_step(exp, mb_rows.to(exp.mask.device))
+                acc.add(stats)
+                if cfg.target_kl_early_stop is not None and stats["policy/approxkl"] > cfg.target_kl_early_stop:
+                    stop = True
+                    break
+            epochs_done += 1
+            if stop:
+                break
+        out = acc.means()
+        out["policy/epochs_completed"] = float(epochs_done)
+        out["optim/skipped_steps"] = acc.total("optim/skipped")
+        return out
+
+    def _minibatch_step(self, exp: Experience, rows: torch.Tensor) -> dict[str, float]:
+        n_tokens = float(exp.mask[rows].sum().clamp(min=1))
+        acc = MetricAccumulator()
+        for chunk in rows.split(self.config.effective_micro_batch_size):
+            acc.add(self._micro_step(exp.select(chunk), n_tokens))
+        stats = acc.sums()
+        norms = self._clip_gradients()
+        finite = all(math.isfinite(v) for v in (*norms, stats["loss/total"]))
+        if finite:
+            for opt in self.optimizers:
+                opt.step()
+            self.consecutive_skips = 0
+        else:
+            self.consecutive_skips += 1
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self.consecutive_skips >= self.config.max_consecutive_nonfinite:
+            raise NonFiniteError(
+                f"{self.consecutive_skips} consecutive PPO steps had a non-finite loss or gradient "
+                f"(iteration {self.iteration}); stopping with the last good checkpoint intact"
+            )
+        stats.update({"optim/grad_norm_policy": norms[0], "optim/grad_norm_critic": norms[1]})
+        stats["optim/skipped"] = 0.0 if finite else 1.0
+        return stats
+
+    def _clip_gradients(self) -> tuple[float, float]:
+        limit = self.config.max_grad_norm or float("inf")
+        groups = [opt.param_groups[0]["params"] for opt in self.optimizers]
+        return tuple(float(torch.nn.utils.clip_grad_norm_(g, limit)) for g in groups)  # type: ignore[return-value]
+
+    def _micro_step(self, mb: Experience, n_tokens: float) -> dict[str, float]:
+        """Forward + backward on one micro-batch; losses are sums / minibatch token count, so
+        accumulated gradients equal one forward over the whole minibatch."""
+        cfg, mask = self.config, mb.mask
+        ids, am, n = mb.rollout.input_ids, mb.rollout.attention_mask, mb.rollout.response_len
+        with self._autocast():
+            policy_out = self._policy_forward(ids, am, n)
+            values = self._values(ids, am, n, policy_out.hidden)
+        logprobs = policy_out.logprobs
+        pg_loss, pg = clipped_surrogate_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.cliprange, n_tokens)
+        vf_loss, vf = clipped_value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value, n_tokens)
+        with torch.set_grad_enabled(cfg.ent_coef > 0):
+            entropy = chunked_entropy(policy_out.logits, cfg.logprob_chunk_size)
+        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * masked_sum(entropy, mask) / n_tokens
+        if not cfg.kl.in_reward:
+            kl = kl_estimate(logprobs, mb.ref_logprobs, cfg.kl.estimator)
+            loss = loss + self.kl_ctl.value * masked_sum(kl, mask) / n_tokens
+        loss.backward()
+        share = float(mask.sum()) / n_tokens
+        return {
+            "loss/policy": pg_loss.item(),
+            "loss/value": vf_loss.item(),
+            "loss/total": loss.item(),
+            "policy/approxkl": pg["approxkl"].item() * share,
+            "policy/clipfrac": pg["clipfrac"].item() * share,
+            "policy/ratio_mean": pg["ratio_mean"].item() * share,
+            "policy/entropy": masked_mean(entropy.detach(), mask).item() * share,
+            "val/clipfrac": vf["clipfrac"].item() * share,
+            "val/explained_variance": explained_variance(values.detach(), mb.returns, mask).item() * share,
+        }
+
+    # ---- the run and its checkpoints -------------------------------------------------
+    def train(self, iterations: int, checkpoint_dir: str | Path | None = None, every: int = 1) -> list[dict]:
+        """Run until self.iteration == iterations, checkpointing every `every` iterations."""
+        history = []
+        while self.iteration < iterations:
+            history.append(self.step())
+            if checkpoint_dir is not None and (self.iteration % every == 0 or self.iteration == iterations):
+                self.save(checkpoint_dir)
+        return history
+
+    def save(self, root: str | Path) -> Path:
+        with atomic_checkpoint(root, f"iter-{self.iteration:06d}") as tmp:
+            save_module(self.policy, tmp / "policy.safetensors")
+            save_module(self.critic if self.critic is not None else self.shared_head, tmp / "value.safetensors")
+            save_state(tmp / "optim.pt", {
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers],
+            })
+            save_state(tmp / "rng.pt", {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "shuffle": self.shuffle_gen.get_state(),
+            })
+            save_json(tmp / "trainer.json", {
+                "iteration": self.iteration,
+                "consecutive_skips": self.consecutive_skips,
+                "kl_controller": self.kl_ctl.state_dict(),
+                "python_random": repr(random.getstate()),
+            })
+        return Path(root) / f"iter-{self.iteration:06d}"
+
+    def load(self, root_or_folder: str | Path) -> bool:
+        """Restore from a checkpoint folder or a root with `latest`; False when there is none."""
+        folder = Path(root_or_folder)
+        if not (folder / "trainer.json").exists():
+            found = latest_checkpoint(folder)
+            if found is None:
+                return False
+            folder = found
+        load_module(self.policy, folder / "policy.safetensors", self.device)
+        load_module(self.critic if self.critic is not None else self.shared_head, folder / "value.safetensors", self.device)
+        optim = load_state(folder / "optim.pt")
+        for opt, state in zip(self.optimizers, optim["optimizers"], strict=True):
+            opt.load_state_dict(state)
+        for sched, state in zip(self.schedulers, optim["schedulers"], strict=True):
+            sched.load_state_dict(state)
+        rng = load_state(folder / "rng.pt")
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.shuffle_gen.set_state(rng["shuffle"])
+        meta = load_json(folder / "trainer.json")
+        self.iteration = int(meta["iteration"])
+        self.consecutive_skips = int(meta["consecutive_skips"])
+        self.kl_ctl.load_state_dict(meta["kl_controller"])
+        random.setstate(ast.literal_eval(meta["python_random"]))
+        return True
