@@ -39,6 +39,9 @@ class Rollout:
     """[B] True where the response emitted a stop token."""
     logprobs: torch.Tensor | None = None
     """[B, R] log pi(a_t|s_t) at the sampling temperature, from the generation logits (or None)."""
+    prompt_index: torch.Tensor | None = None
+    """[B] index of each row's prompt in the caller's prompt list, so scorers can read the raw
+    prompt text rather than decoding a chat-templated query."""
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -187,8 +187,8 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _rollout(self) -> Rollout:
-        batch = [self.prompts[i] for i in self.sampler.batch(self.iteration)]
-        query_ids, query_mask = left_pad(batch, self.pad_id)
+        indices = self.sampler.batch(self.iteration)
+        query_ids, query_mask = left_pad([self.prompts[i] for i in indices], self.pad_id)
         with self._autocast():
             rollout = generate(
                 self.policy,
@@ -200,6 +200,7 @@ class PPOTrainer:
                 want_logprobs=self.config.logprobs_from_generation,
                 chunk_size=self.config.logprob_chunk_size,
             )
+        rollout.prompt_index = torch.tensor(indices, device=rollout.query_ids.device)
         return rollout.trimmed()
 
     @torch.no_grad()
