@@ -1,12 +1,25 @@
-"""The `rlhf` command line."""
+"""The `rlhf` command line: validate, run, resume, stages, deploy, models.
+
+Config problems print one `field.path: reason` line each and exit with code 2 before any
+model or orchestrator is loaded (prefect and mlflow are imported only after validation).
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import typer
 
+from flows.cli_models import models_app
+from flows.runtime import configure_environment
 from ppo_core import __version__
 
 app = typer.Typer(help="Declarative RLHF with PPO: Prefect pipelines, MLflow tracking.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+SET_HELP = "Override a config value: section.key=value (repeatable)."
 
 
 def _version(value: bool) -> None:
@@ -20,5 +33,118 @@ def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """RLHF with PPO on causal language models."""
+
+
+def _load(config: Path, overrides: list[str] | None) -> Any:
+    from flows.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as err:
+        for line in err.problems:
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def validate(config: Path, set_: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
+    """Check a pipeline config without loading any model."""
+    cfg = _load(config, set_)
+    typer.echo(f"{config}: OK (pipeline {cfg.name!r}, {cfg.ppo.rounds} PPO rounds x {cfg.ppo.iterations_per_round} iterations)")
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    typer.echo("")
+    for stage, status in result["stages"].items():
+        typer.echo(f"  {stage:<22} {status}")
+    typer.echo("")
+    typer.echo(f"Champion promoted: {result['champion']}")
+    for label in ("reference_uri", "reward_model_uri", "policy_uri"):
+        if result.get(label):
+            typer.echo(f"{label.replace('_uri', '').replace('_', ' '):<13} {result[label]}")
+    typer.echo(f"Evaluation report: {result['report_path']}")
+    typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {result['mlflow_uri']}   (parent run {result['mlflow_parent_run_id']})")
+    typer.echo(f"Prefect flow run: {result['flow_run_id']}   (prefect flow-run inspect {result['flow_run_id']})")
+
+
+def _run_flow(config_dict: dict[str, Any], force: list[str] | None) -> dict[str, Any]:
+    from flows.pipeline import rlhf_pipeline
+
+    return rlhf_pipeline(config=config_dict, force=force or None)
+
+
+@app.command()
+def run(
+    config: Path,
+    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    force: list[str] = typer.Option(None, "--force", help="Recompute this stage and everything downstream."),
+) -> None:
+    """Run the pipeline; finished stages come from the cache, a failed run resumes."""
+    cfg = _load(config, set_)
+    configure_environment(cfg.orchestration.work_dir)
+    from flows.caching import STAGES
+
+    bad = [s for s in force or [] if s not in STAGES]
+    if bad:
+        typer.echo(f"error: --force: unknown stage(s) {bad}; stages are {', '.join(STAGES)}", err=True)
+        raise typer.Exit(2)
+    from flows.tracking import TrackingError
+
+    try:
+        result = _run_flow(cfg.model_dump(mode="json"), force)
+    except TrackingError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    _print_result(result)
+
+
+@app.command()
+def resume(flow_run_id: str) -> None:
+    """Rerun a (failed) flow run's parameters: finished stages are cached, the rest resumes."""
+    configure_environment(os.environ.get("RLHF_WORK_DIR", ".rlhf"))
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        try:
+            flow_run = client.read_flow_run(flow_run_id)
+        except Exception as exc:
+            typer.echo(f"error: flow run {flow_run_id}: {exc}", err=True)
+            raise typer.Exit(2) from None
+    params = flow_run.parameters
+    typer.echo(f"resuming flow run {flow_run_id} ({flow_run.name}, state {flow_run.state_name})")
+    _print_result(_run_flow(params["config"], params.get("force")))
+
+
+@app.command()
+def stages(config: Path, set_: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
+    """Each stage's cache key and whether a cached result exists."""
+    cfg = _load(config, set_)
+    configure_environment(cfg.orchestration.work_dir)
+    from flows.inspect import stage_table
+
+    for row in stage_table(cfg):
+        typer.echo(f"{row['stage']:<22} {row['status']:<8} {row['key']}")
+
+
+@app.command()
+def deploy(
+    config: Path,
+    cron: str = typer.Option(..., help='Cron schedule, e.g. "0 3 * * *".'),
+    name: str = typer.Option(None, help="Deployment name (default: the pipeline name)."),
+    work_pool: str = typer.Option(None, "--work-pool", help="Deploy to this work pool instead of serving here."),
+    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
+) -> None:
+    """Schedule the pipeline on a Prefect server (serve here, or deploy to a work pool)."""
+    cfg = _load(config, set_)
+    configure_environment(cfg.orchestration.work_dir)
+    from flows.schedule import SchedulingError, schedule
+
+    try:
+        schedule(cfg, cron, name or cfg.name, work_pool, echo=typer.echo)
+    except SchedulingError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+
 if __name__ == "__main__":
     app()

@@ -68,10 +68,18 @@ def _resolve_folder(folder: Path, label: str) -> ModelSource:
 
 
 def resolve_source(source: str) -> ModelSource:
-    """Turn a model source string into files, without loading anything."""
+    """Turn a model source string into files, without loading anything (`tiny:NAME` writes a
+    tiny random model on first use; see ppo_core.tiny)."""
     if source.startswith("pkg:"):
         name = source[4:]
         return _resolve_folder(_package_dir(name), source)
+    if source.startswith("tiny:"):
+        from ppo_core.tiny import materialise
+
+        try:
+            return ModelSource(materialise(source[5:]))
+        except ValueError as exc:
+            raise ModelSourceError(str(exc)) from None
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

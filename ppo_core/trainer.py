@@ -32,7 +32,7 @@ from ppo_core.checkpoint import (
 )
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
 from ppo_core.experience import Experience, PromptSampler, ScoreFn, compute_advantages, in_chunks
-from ppo_core.kl import kl_estimate, make_kl_controller
+from ppo_core.kl import kl_penalty_per_token, make_kl_controller
 from ppo_core.logprobs import (
     chunked_entropy,
     position_ids_from_mask,
@@ -114,6 +114,7 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
         self.iteration = 0
         self.consecutive_skips = 0
+        self.last_experience: Experience | None = None
 
     # ---- set-up -----------------------------------------------------------------------
     def _hidden_size(self) -> int:
@@ -143,10 +144,12 @@ class PPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _reference(self) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+    def _reference(self) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager]]:
+        """The reference model and a factory of the context to run it in: peft's
+        disable_adapter() is a one-shot generator context, so each forward needs a fresh one."""
         if self.ref_model is not None:
-            return self.ref_model, contextlib.nullcontext()
-        return self.policy, self.policy.disable_adapter()
+            return self.ref_model, contextlib.nullcontext
+        return self.policy, self.policy.disable_adapter
 
     # ---- one iteration ----------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -166,6 +169,7 @@ class PPOTrainer:
         for scheduler in self.schedulers:
             scheduler.step()
         self.iteration += 1
+        self.last_experience = exp
         metrics = rollout_metrics(exp, beta, raw_scores)
         metrics.update(update)
         tokens = int(exp.rollout.attention_mask.sum())
@@ -219,7 +223,7 @@ class PPOTrainer:
                     old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
                 else:
                     old.append(part.logprobs)
-                with ref_ctx if ref_model is self.policy else contextlib.nullcontext():
+                with ref_ctx():
                     ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size)[0])
                 values.append(self._values(ids, am, n, hidden))
         mask = rollout.response_mask.float()
@@ -327,7 +331,7 @@ class PPOTrainer:
             entropy = chunked_entropy(policy_out.logits, cfg.logprob_chunk_size)
         loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * masked_sum(entropy, mask) / n_tokens
         if not cfg.kl.in_reward:
-            kl = kl_estimate(logprobs, mb.ref_logprobs, cfg.kl.estimator)
+            kl = kl_penalty_per_token(logprobs, mb.old_logprobs, mb.ref_logprobs, cfg.kl.estimator)
             loss = loss + self.kl_ctl.value * masked_sum(kl, mask) / n_tokens
         loss.backward()
         share = float(mask.sum()) / n_tokens
@@ -342,6 +346,24 @@ class PPOTrainer:
             "val/clipfrac": vf["clipfrac"].item() * share,
             "val/explained_variance": explained_variance(values.detach(), mb.returns, mask).item() * share,
         }
+
+    def sample_table(self, n: int = 8) -> list[dict[str, str | float]]:
+        """A few responses of the last iteration, decoded, with their score and KL, for people."""
+        exp = self.last_experience
+        if exp is None:
+            return []
+        decode = self.tokenizer.decode
+        rows = []
+        for i in range(min(n, exp.scores.shape[0])):
+            valid = exp.mask[i].bool()
+            rows.append({
+                "prompt": decode(exp.rollout.query_ids[i][exp.rollout.query_mask[i].bool()], skip_special_tokens=True),
+                "response": decode(exp.rollout.response_ids[i][valid], skip_special_tokens=True),
+                "score": round(float(exp.scores[i]), 4),
+                "kl": round(float(exp.kl[i][valid].sum()), 4),
+                "ended": bool(exp.rollout.ended[i]),
+            })
+        return rows
 
     # ---- the run and its checkpoints -------------------------------------------------
     def train(self, iterations: int, checkpoint_dir: str | Path | None = None, every: int = 1) -> list[dict]:

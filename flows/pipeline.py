@@ -1,0 +1,162 @@
+"""The top-level flow: reference -> preferences -> reward model -> PPO rounds -> evaluation.
+
+Every stage is a Prefect task whose cache key is computed here from its own config section
+and the content hashes of what it reads (flows.caching). Results persist in the work folder,
+so a rerun of the same config finds every stage Cached, a changed PPO setting reruns only PPO
+and evaluation, and a crash resumes at the stage (and in-round checkpoint) where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import get_run_context
+from prefect.tasks import exponential_backoff
+
+from flows import keys
+from flows import tracking as trk
+from flows.caching import STAGES
+from flows.config import PipelineConfig
+from flows.stages.evaluate import evaluate
+from flows.stages.ppo import ppo_round
+from flows.stages.preferences import collect_preferences
+from flows.stages.reference import snapshot_reference
+from flows.stages.reward import train_reward_model
+from flows.summary import StageRecord, summary_markdown
+
+
+def config_hash(cfg: PipelineConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def forced_stages(force: list[str] | None) -> set[str]:
+    """A forced stage and everything downstream of it (their inputs would change anyway)."""
+    if not force:
+        return set()
+    unknown = [s for s in force if s not in STAGES]
+    if unknown:
+        raise ValueError(f"--force: unknown stage(s) {unknown}; stages are {list(STAGES)}")
+    first = min(STAGES.index(s) for s in force)
+    return set(STAGES[first:])
+
+
+class StageRunner:
+    """Calls stage tasks with the pipeline's storage, retries and forced refreshes, and records
+    for the summary whether each ran or came from the cache."""
+
+    def __init__(self, cfg: PipelineConfig, work_dir: Path, ctx: trk.TrackingContext, forced: set[str]) -> None:
+        self.cfg, self.ctx, self.forced = cfg, ctx, forced
+        self.storage = work_dir / "results"  # a Path: Prefect uses it as local storage, no block to save
+        self.records: list[StageRecord] = []
+
+    def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
+        orch = self.cfg.orchestration
+        configured = stage_task.with_options(
+            result_storage=self.storage,
+            retries=orch.retries,
+            retry_delay_seconds=exponential_backoff(backoff_factor=orch.retry_delay_seconds) if orch.retries else 0,
+            refresh_cache=stage in self.forced,
+        )
+        start = time.perf_counter()
+        state = configured(return_state=True, **kwargs)
+        result = state.result()  # raises the stage's exception when it failed
+        cached = state.name == "Cached"
+        if cached:
+            trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
+        self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result))
+        return result
+
+
+def _headline(result: Any) -> dict[str, Any]:
+    fields = ("n_rows", "eval_accuracy", "gold_agreement", "iteration", "champion")
+    out = {f: getattr(result, f) for f in fields if hasattr(result, f)}
+    out.update(getattr(result, "headline", {}) or {})
+    metrics = getattr(result, "metrics", {}) or {}
+    out.update({k: v for k, v in metrics.items() if k in ("objective/scores", "objective/kl")})
+    return out
+
+
+def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk.TrackingContext:
+    uri = cfg.tracking.uri or trk.default_tracking_uri(Path.cwd())
+    experiment = cfg.tracking.experiment or cfg.name
+    experiment_id = trk.connect(uri, experiment, Path.cwd() / "mlruns")
+    ctx = trk.TrackingContext(
+        uri=uri, experiment_id=experiment_id, pipeline=cfg.name, flow_run_id=flow_run_id, config_hash=config_hash(cfg)
+    )
+    params = trk.flatten(cfg.model_dump(mode="json"))
+    ctx.parent_run_id = trk.open_parent_run(ctx, f"{cfg.name}-{flow_run_id[:8]}", params)
+    return ctx
+
+
+@flow(name="rlhf_pipeline", log_prints=True)
+def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dict[str, Any]:
+    """Run (or resume) the whole pipeline for one validated config."""
+    cfg = PipelineConfig.model_validate(config)
+    log = get_run_logger()
+    work_dir = (Path(cfg.orchestration.work_dir) / cfg.name).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    flow_run_id = str(get_run_context().flow_run.id)
+    ctx = _open_tracking(cfg, work_dir, flow_run_id)
+    run = StageRunner(cfg, work_dir, ctx, forced_stages(force))
+    settings = cfg.model_dump(mode="json")
+    common = {"work_dir": str(work_dir), "tracking": ctx}
+    failed = True
+    try:
+        reference = run(
+            snapshot_reference, "snapshot_reference", "snapshot_reference",
+            key=keys.reference_key(cfg),
+            source=cfg.reference_source, tokenizer_source=cfg.model.tokenizer,
+            trust_remote_code=cfg.model.trust_remote_code, register=cfg.tracking.register_models, **common,
+        )
+        prefs = run(
+            collect_preferences, "collect_preferences", "collect_preferences",
+            key=keys.preferences_key(cfg, reference),
+            settings=settings, reference=reference, **common,
+        )
+        reward = run(
+            train_reward_model, "train_reward_model", "train_reward_model",
+            key=keys.reward_key(cfg, prefs, reference),
+            settings=settings, prefs=prefs, reference=reference, **common,
+        )
+        policies = []
+        previous = None
+        for k in range(1, cfg.ppo.rounds + 1):
+            previous = run(
+                ppo_round, "ppo_round", f"ppo_round_{k}",
+                key=keys.ppo_key(cfg, k, reference, reward, prefs, previous),
+                round_number=k, settings=settings, reference=reference, reward=reward, prefs=prefs,
+                previous=previous, is_last=k == cfg.ppo.rounds, **common,
+            )
+            policies.append(previous)
+        report = run(
+            evaluate, "evaluate", "evaluate",
+            key=keys.evaluate_key(cfg, policies, reference, reward),
+            settings=settings, reference=reference, reward=reward, prefs=prefs, policies=policies, **common,
+        )
+        failed = False
+    finally:
+        trk.close_parent_run(ctx, failed)
+        if run.records:
+            markdown = summary_markdown(cfg, ctx, run.records, failed)
+            create_markdown_artifact(markdown=markdown, key=f"{cfg.name}-summary", description="RLHF pipeline run")
+            (work_dir / "last_summary.md").write_text(markdown)
+    log.info("pipeline %s finished: %s", cfg.name, ", ".join(f"{r.label}={'cached' if r.cached else 'ran'}" for r in run.records))
+    return {
+        "stages": {r.label: ("Cached" if r.cached else "Completed") for r in run.records},
+        "policy_sha256": policies[-1].sha256,
+        "policy_path": policies[-1].path,
+        "policy_uri": policies[-1].model_uri,
+        "reward_model_uri": reward.model_uri,
+        "reference_uri": reference.model_uri,
+        "champion": report.champion,
+        "report_path": report.path,
+        "mlflow_uri": ctx.uri,
+        "mlflow_parent_run_id": ctx.parent_run_id,
+        "flow_run_id": flow_run_id,
+    }

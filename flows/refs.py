@@ -1,0 +1,71 @@
+"""What stages hand each other: small pydantic references, never model objects.
+
+Each carries the content hash its consumers put into their own cache keys, so a stage
+reruns exactly when something it reads has changed.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class StageRef(BaseModel):
+    """Common fields: where the output lives and its content hash."""
+
+    path: str
+    """Local folder or file holding the stage's output."""
+    sha256: str
+    """Content hash of the output (weights or data)."""
+    mlflow_run_id: str | None = None
+    """The MLflow run that produced it."""
+
+
+class PreferenceSet(StageRef):
+    n_rows: int
+    n_read: int
+    rejected: dict[str, int] = Field(default_factory=dict)
+    rejected_examples: list[str] = Field(default_factory=list)
+    train_prompts_path: str
+    heldout_prompts_path: str
+    seconds: float = 0.0
+
+
+class ModelRef(StageRef):
+    """A model folder that `from_pretrained` loads, plus its registry entry."""
+
+    model_uri: str | None = None
+    """MLflow model URI (models:/NAME/VERSION) when registered."""
+    registered_name: str | None = None
+    version: str | None = None
+
+
+class RewardModelRef(ModelRef):
+    eval_accuracy: float
+    gold_agreement: float | None = None
+    norm_gain: float = 1.0
+    norm_bias: float = 0.0
+    seconds: float = 0.0
+
+
+class ReferenceRef(ModelRef):
+    seconds: float = 0.0
+
+
+class PolicyCheckpoint(ModelRef):
+    round: int
+    iteration: int
+    state_path: str
+    """Trainer checkpoint (policy, critic, optimisers, RNG, KL controller) the next round resumes."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Last iteration's metrics."""
+    seconds: float = 0.0
+
+
+class EvalRef(StageRef):
+    """The evaluation report's JSON file and its headline numbers."""
+
+    champion: bool
+    gate_reasons: list[str] = Field(default_factory=list)
+    headline: dict[str, float | None] = Field(default_factory=dict)
+    plot_path: str | None = None
+    seconds: float = 0.0

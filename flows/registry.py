@@ -1,0 +1,126 @@
+"""The MLflow Model Registry: register, tag with lineage, alias, find, export.
+
+Models are logged with the transformers flavor from the already loaded components (logging
+by checkpoint path breaks inside mlflow 3.17 with transformers 5), with an explicit
+signature and pip requirements so mlflow neither runs the model nor scans the environment.
+Registration is idempotent: a version whose `rlhf.sha256` tag matches is reused.
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib.metadata import version as pkg_version
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.models import ModelSignature
+from mlflow.types import ColSpec, Schema
+
+SHA_TAG = "rlhf.sha256"
+SIGNATURES = {
+    "text-generation": ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")])),
+    "text-classification": ModelSignature(
+        inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string", "label"), ColSpec("double", "score")])
+    ),
+}
+
+
+def pip_requirements() -> list[str]:
+    return [f"{name}=={pkg_version(name)}" for name in ("torch", "transformers", "safetensors", "tokenizers")]
+
+
+def find_version(client: MlflowClient, name: str, sha256: str) -> Any | None:
+    try:
+        versions = client.search_model_versions(f"name = '{name}'")
+    except mlflow.exceptions.MlflowException:
+        return None
+    for mv in versions:
+        if mv.tags.get(SHA_TAG) == sha256:
+            return mv
+    return None
+
+
+def register_model(
+    uri: str,
+    name: str,
+    model: Any,
+    tokenizer: Any,
+    task: str,
+    sha256: str,
+    tags: dict[str, str],
+    aliases: tuple[str, ...] = (),
+) -> tuple[str, str]:
+    """Log `model` in the active run and register it as `name`; return (models:/ URI, version)."""
+    client = MlflowClient(uri)
+    existing = find_version(client, name, sha256)
+    if existing is None:
+        info = mlflow.transformers.log_model(
+            transformers_model={"model": model, "tokenizer": tokenizer},
+            name="model",
+            task=task,
+            signature=SIGNATURES[task],
+            pip_requirements=pip_requirements(),
+            registered_model_name=name,
+        )
+        version = str(info.registered_model_version)
+    else:
+        version = str(existing.version)
+    for key, value in {SHA_TAG: sha256, **tags}.items():
+        client.set_model_version_tag(name, version, key, str(value))
+    for alias in aliases:
+        client.set_registered_model_alias(name, alias, version)
+    return f"models:/{name}/{version}", version
+
+
+def set_alias(uri: str, name: str, version: str, alias: str) -> None:
+    MlflowClient(uri).set_registered_model_alias(name, alias, version)
+
+
+def list_models(uri: str, name: str | None = None) -> list[dict[str, Any]]:
+    """Versions with aliases, lineage tags and their run's headline metrics."""
+    client = MlflowClient(uri)
+    models = [client.get_registered_model(name)] if name else client.search_registered_models()
+    rows = []
+    for rm in models:
+        aliases_by_version: dict[str, list[str]] = {}
+        for alias, ver in (rm.aliases or {}).items():
+            aliases_by_version.setdefault(str(ver), []).append(alias)
+        for mv in client.search_model_versions(f"name = '{rm.name}'"):
+            metrics = client.get_run(mv.run_id).data.metrics if mv.run_id else {}
+            rows.append(
+                {
+                    "name": rm.name,
+                    "version": str(mv.version),
+                    "aliases": aliases_by_version.get(str(mv.version), []),
+                    "tags": dict(mv.tags),
+                    "metrics": metrics,
+                }
+            )
+    return sorted(rows, key=lambda r: (r["name"], int(r["version"])))
+
+
+def model_uri(spec: str) -> str:
+    """NAME@ALIAS or NAME/VERSION -> models:/ URI."""
+    return spec if spec.startswith("models:/") else f"models:/{spec}"
+
+
+def export_hf_folder(uri: str, spec: str, out: str | Path) -> Path:
+    """Download a registered transformers model as a plain Hugging Face folder (weights,
+    config, tokenizer) that `from_pretrained(out)` loads without mlflow."""
+    mlflow.set_tracking_uri(uri)
+    out = Path(out)
+    staging = out.with_name(f".{out.name}.download")
+    if staging.exists():
+        shutil.rmtree(staging)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri(spec), dst_path=str(staging)))
+    out.mkdir(parents=True, exist_ok=True)
+    for sub in (local / "model", local / "components" / "tokenizer"):
+        if sub.is_dir():
+            for item in sub.iterdir():
+                shutil.copy2(item, out / item.name) if item.is_file() else shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    if not (out / "config.json").exists():
+        raise FileNotFoundError(f"{spec}: the downloaded model has no config.json (not a transformers model?)")
+    return out

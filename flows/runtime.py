@@ -1,0 +1,32 @@
+"""Process-wide defaults that must be in place before prefect or mlflow is imported.
+
+Offline and quiet: no telemetry from either tool, Prefect's home (its sqlite database for the
+ephemeral API) inside the working folder, and a generous start-up timeout for the ephemeral
+API (its first database migration on a fresh machine can take a minute).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_CLIENT_ENABLE_METRICS": "false",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_ENABLE_TELEMETRY": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    "GIT_PYTHON_REFRESH": "quiet",
+}
+
+
+def configure_environment(work_dir: str | Path = ".rlhf") -> None:
+    """Set the defaults above (a value already in the environment wins)."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(Path(work_dir).resolve() / "prefect")))
+    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level

@@ -1,0 +1,119 @@
+"""Stage: evaluate every round and the final policy on held-out prompts; promote the champion.
+
+Held-out prompts come from the preference stage's split, so they were never seen by
+preference collection or PPO. The reference is sampled once and every round is compared
+against the same reference responses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlflow
+import torch
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flows.caching import key_from_parameters, sha256_file
+from flows.config import EvaluationConfig
+from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
+from flows.registry import set_alias
+from flows.stages.common import logger, read_prompt_file, stage_dir
+from flows.tracking import TrackingContext, stage_run
+from ppo_core.data_config import PromptConfig
+from ppo_core.eval_markdown import report_markdown
+from ppo_core.eval_report import EvalReport, build_report
+from ppo_core.evaluation import PolicyEval, evaluate_policy, evaluate_reference
+from ppo_core.labelers import load_gold_scorer
+from ppo_core.models import pick_device
+from ppo_core.plots import plot_overoptimisation
+from ppo_core.prompts import encode_prompts
+from ppo_core.reward_model import RewardModel
+
+
+def _log_eval(label: str, result: PolicyEval, step: int) -> None:
+    values = {
+        "kl_exact": result.kl_exact, "kl_k1": result.kl_k1, "kl_k3": result.kl_k3,
+        "proxy_reward": result.proxy_reward, "gold_reward": result.gold_reward,
+        "win_rate_gold": result.win_rate_gold, "win_rate_proxy": result.win_rate_proxy,
+        "response_length": result.response_length, "eos_rate": result.eos_rate,
+    }
+    mlflow.log_metrics({f"{label}/{k}": v for k, v in values.items() if v is not None}, step=step)
+
+
+def _headline(report: EvalReport) -> dict[str, float | None]:
+    final = report.final or report.reference
+    return {
+        "reference_gold": report.reference.gold_reward,
+        "final_gold": final.gold_reward,
+        "reference_proxy": report.reference.proxy_reward,
+        "final_proxy": final.proxy_reward,
+        "kl_exact": final.kl_exact,
+        "win_rate_gold": final.win_rate_gold,
+        "win_rate_proxy": final.win_rate_proxy,
+    }
+
+
+@task(name="evaluate", tags=["gpu"], cache_key_fn=key_from_parameters, persist_result=True)
+def evaluate(
+    key: str,
+    settings: dict,
+    reference: ReferenceRef,
+    reward: RewardModelRef,
+    prefs: PreferenceSet,
+    policies: list[PolicyCheckpoint],
+    work_dir: str,
+    tracking: TrackingContext,
+) -> EvalRef:
+    start = time.perf_counter()
+    log = logger()
+    cfg = EvaluationConfig.model_validate(settings["evaluation"])
+    prompt_cfg = PromptConfig.model_validate(settings["prompts"])
+    device = pick_device(settings["orchestration"]["device"]["device"])
+    folder = stage_dir(work_dir, "evaluate", key)
+    texts = read_prompt_file(prefs.heldout_prompts_path)[: cfg.n_prompts]
+    tokenizer = AutoTokenizer.from_pretrained(reference.path)
+    ids = encode_prompts(tokenizer, texts, prompt_cfg)
+    ref_model = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32).to(device).eval()
+    rm = RewardModel.from_pretrained(reward.path, device=str(device))
+    gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
+    common = {"sampling": cfg.sampling, "proxy": rm.score, "gold": gold, "n_samples": cfg.n_samples_shown}
+    log.info("evaluating the reference on %d held-out prompts", len(texts))
+    baseline, ref_sample = evaluate_reference(ref_model, tokenizer, texts, ids, **common)
+    rounds: dict[int, PolicyEval] = {}
+    chosen = policies if cfg.per_round else policies[-1:]
+    for ckpt in chosen:
+        log.info("evaluating round %d", ckpt.round)
+        policy = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).to(device).eval()
+        rounds[ckpt.round] = evaluate_policy(policy, ref_model, tokenizer, texts, ids, ref_responses=ref_sample, **common)
+        del policy
+    report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)
+    report_path = folder / "report.json"
+    report_path.write_text(report.model_dump_json(indent=2))
+    plot = plot_overoptimisation(report, folder / "overoptimisation.png")
+    markdown = report_markdown(report)
+    champion = report.gates is None or report.gates.passed
+    result = EvalRef(
+        path=str(report_path), sha256=sha256_file(report_path), champion=champion,
+        gate_reasons=report.gates.reasons if report.gates else [], headline=_headline(report), plot_path=str(plot),
+    )
+    with stage_run(tracking, "evaluate", {"rlhf.champion": str(champion)}) as run_id:
+        result.mlflow_run_id = run_id
+        if run_id is not None:
+            _log_eval("reference", baseline, 0)
+            for rnd, ev in rounds.items():
+                _log_eval("policy", ev, rnd)
+            mlflow.log_metrics({k: v for k, v in result.headline.items() if v is not None})
+            mlflow.log_metric("reward_hacking", float(report.reward_hacking))
+            mlflow.log_artifact(str(report_path))
+            mlflow.log_artifact(str(plot), artifact_path="plots")
+            mlflow.log_text(markdown, "report.md")
+            final = policies[-1]
+            if champion and final.registered_name and final.version:
+                set_alias(tracking.uri, final.registered_name, final.version, "champion")
+        result.seconds = time.perf_counter() - start
+    create_markdown_artifact(markdown=markdown, key=f"{tracking.pipeline}-evaluation", description="RLHF evaluation")
+    log.info("evaluation: %s; champion=%s %s (%.1fs)", result.headline, champion, result.gate_reasons, result.seconds)
+    return result
+

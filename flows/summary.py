@@ -1,0 +1,45 @@
+"""The run summary people read first: stages, cached or run, durations, headline numbers, links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flows.config import PipelineConfig
+from flows.tracking import TrackingContext
+
+
+@dataclass
+class StageRecord:
+    label: str
+    cached: bool
+    seconds: float
+    headline: dict[str, Any]
+    result: Any
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def summary_markdown(cfg: PipelineConfig, ctx: TrackingContext, records: list[StageRecord], failed: bool) -> str:
+    lines = [
+        f"# RLHF pipeline `{cfg.name}` — {'FAILED' if failed else 'finished'}",
+        "",
+        "| stage | status | seconds | headline |",
+        "|---|---|---:|---|",
+    ]
+    for r in records:
+        head = ", ".join(f"{k}={_fmt(v)}" for k, v in r.headline.items())
+        lines.append(f"| {r.label} | {'Cached' if r.cached else 'Ran'} | {r.seconds:.1f} | {head} |")
+    models = [(r.label, getattr(r.result, "model_uri", None)) for r in records if getattr(r.result, "model_uri", None)]
+    if models:
+        lines += ["", "**Registered models**", ""] + [f"- {label}: `{uri}`" for label, uri in models]
+    lines += [
+        "",
+        f"MLflow: `{ctx.uri}` (experiment id {ctx.experiment_id}, parent run `{ctx.parent_run_id}`);"
+        f" browse with `mlflow ui --backend-store-uri {ctx.uri}`.",
+    ]
+    return "\n".join(lines) + "\n"

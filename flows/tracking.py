@@ -1,0 +1,169 @@
+"""MLflow runs of a pipeline: one parent run per pipeline run, one child run per stage.
+
+Stages receive a `TrackingContext` (plain data, safe to pass as a Prefect task parameter and
+left out of cache keys) and open their child run with `stage_run`. The parent run of a failed
+pipeline is continued by the next `rlhf run` of the same config, so a resumed pipeline keeps
+one run tree; a cached stage still gets a child run, tagged `rlhf.cached=true` and linked to
+the run that computed it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import RunStatus
+from pydantic import BaseModel
+
+PARENT_TAG = "rlhf.pipeline_run"
+CONFIG_HASH_TAG = "rlhf.config_hash"
+
+
+class TrackingError(RuntimeError):
+    """The tracking server cannot be used; raised before any training starts."""
+
+
+class TrackingContext(BaseModel):
+    """Where a stage logs: enough to reopen the right runs from any thread or process."""
+
+    enabled: bool = True
+    uri: str = ""
+    experiment_id: str = ""
+    parent_run_id: str = ""
+    pipeline: str = "rlhf"
+    flow_run_id: str = ""
+    config_hash: str = ""
+
+
+def default_tracking_uri(work_dir: str | Path = ".") -> str:
+    """$MLFLOW_TRACKING_URI, else an absolute sqlite file in the working directory."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(Path(work_dir).resolve() / 'mlflow.db').as_posix()}"
+
+
+def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str:
+    """Point mlflow at `uri`, check that it answers, and return the experiment id.
+
+    A wrong URI fails here, in seconds, with the URI in the message, not after training.
+    """
+    mlflow.set_tracking_uri(uri)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    client = MlflowClient(uri)
+    try:
+        found = client.get_experiment_by_name(experiment)
+        if found is not None:
+            return found.experiment_id
+        location = artifact_root.resolve().as_uri() if artifact_root is not None and uri.startswith("sqlite") else None
+        return client.create_experiment(experiment, artifact_location=location)
+    except Exception as exc:  # mlflow raises many types for unreachable/misconfigured stores
+        raise TrackingError(f"tracking.uri {uri!r}: MLflow tracking store unusable: {type(exc).__name__}: {exc}") from None
+
+
+def open_parent_run(ctx: TrackingContext, run_name: str, params: dict[str, Any]) -> str:
+    """Continue the unfinished parent run of the same config, or start a new one."""
+    client = MlflowClient(ctx.uri)
+    runs = client.search_runs(
+        [ctx.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = 'true' and tags.`{CONFIG_HASH_TAG}` = '{ctx.config_hash}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if runs and runs[0].info.status != RunStatus.to_string(RunStatus.FINISHED):
+        run_id = runs[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        client.set_tag(run_id, "prefect.flow_run_id", ctx.flow_run_id)
+        return run_id
+    run = client.create_run(
+        ctx.experiment_id,
+        run_name=run_name,
+        tags={PARENT_TAG: "true", CONFIG_HASH_TAG: ctx.config_hash, "prefect.flow_run_id": ctx.flow_run_id},
+    )
+    _log_params(client, run.info.run_id, params)
+    return run.info.run_id
+
+
+def close_parent_run(ctx: TrackingContext, failed: bool) -> None:
+    if ctx.enabled and ctx.parent_run_id:
+        MlflowClient(ctx.uri).set_terminated(ctx.parent_run_id, status="FAILED" if failed else "FINISHED")
+
+
+def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
+    items = list(params.items())
+    for start in range(0, len(items), 100):
+        batch = items[start : start + 100]
+        client.log_batch(run_id, params=[mlflow.entities.Param(k, str(v)[:6000]) for k, v in batch])
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+@contextmanager
+def stage_run(ctx: TrackingContext, stage: str, tags: dict[str, str] | None = None) -> Iterator[str | None]:
+    """A child run of the pipeline's parent run, active in this thread while the stage works."""
+    if not ctx.enabled:
+        yield None
+        return
+    mlflow.set_tracking_uri(ctx.uri)
+    all_tags = {"rlhf.stage": stage, "rlhf.cached": "false", "prefect.flow_run_id": ctx.flow_run_id, **(tags or {})}
+    with mlflow.start_run(
+        experiment_id=ctx.experiment_id, run_name=stage, parent_run_id=ctx.parent_run_id, nested=True, tags=all_tags
+    ) as run:
+        yield run.info.run_id
+
+
+def record_cached(ctx: TrackingContext, stage: str, producer_run_id: str | None, summary: dict[str, Any]) -> None:
+    """A cached stage is shown as cached, with a link to the run that computed it."""
+    if not ctx.enabled:
+        return
+    client = MlflowClient(ctx.uri)
+    run = client.create_run(
+        ctx.experiment_id,
+        run_name=f"{stage} (cached)",
+        tags={
+            "mlflow.parentRunId": ctx.parent_run_id,
+            "rlhf.stage": stage,
+            "rlhf.cached": "true",
+            "rlhf.cached_from_run": producer_run_id or "",
+            "prefect.flow_run_id": ctx.flow_run_id,
+        },
+    )
+    metrics = {k: float(v) for k, v in summary.items() if isinstance(v, int | float) and math.isfinite(v)}
+    for key, value in metrics.items():
+        client.log_metric(run.info.run_id, key, value)
+    client.set_terminated(run.info.run_id)
+
+
+class MetricLogger:
+    """The bridge from ppo_core's on_metrics(step, dict) callback to the active MLflow run."""
+
+    def __init__(self, run_id: str | None, uri: str, prefix: str = "", step_offset: int = 0) -> None:
+        self.run_id, self.prefix, self.step_offset = run_id, prefix, step_offset
+        self.client = MlflowClient(uri) if run_id else None
+        self.history: list[dict[str, float]] = []
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        self.history.append({"step": float(step + self.step_offset), **clean})
+        if self.client is None:
+            return
+        now = int(time.time() * 1000)
+        entities = [mlflow.entities.Metric(k, v, now, step + self.step_offset) for k, v in clean.items()]
+        for start in range(0, len(entities), 500):
+            self.client.log_batch(self.run_id, metrics=entities[start : start + 500])
