@@ -17,7 +17,7 @@ from flows.config import PipelineConfig
 
 
 def _reader(work_dir: Path):
-    store = ResultStore(result_storage=LocalFileSystem(basepath=str(work_dir / "results")), serializer="pickle")
+    store = ResultStore(result_storage=LocalFileSystem(basepath=str(work_dir / "results")))
 
     def read(key: str) -> Any | None:
         if not store.exists(key):

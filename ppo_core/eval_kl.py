@@ -1,0 +1,107 @@
+"""Per-sequence KL(pi || pi_ref) of a rollout, exact and sampled, from one forward of each model.
+
+The sequence KL is reported three ways, all sums over the response tokens of one sequence:
+
+    exact  = sum_t KL(pi(.|s_t) || pi_ref(.|s_t))
+           = sum_t sum_a pi(a|s_t) (log pi(a|s_t) - log pi_ref(a|s_t))   over the full vocabulary
+    k1     = sum_t log r_t,     k3 = sum_t (r_t^-1 - 1) + log r_t,     r_t = pi(a_t|s_t) / pi_ref(a_t|s_t)
+
+All three have the same expectation over responses y ~ pi (the sequence KL of Ziegler et al.
+2019); `exact` removes the per-token sampling noise of the actions, which is why it is the
+default for the KL budget. Distributions are taken at the sampling temperature and without
+top-k / top-p truncation, the same convention as the trainer's KL leash; with truncated
+sampling the sampled estimators are biased and only `exact` keeps its meaning.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ppo_core.kl import kl_estimate
+from ppo_core.logprobs import response_logits
+from ppo_core.masked import masked_sum
+from ppo_core.rollout import Rollout
+
+
+class SequenceKL(NamedTuple):
+    """Per-sequence KL to the reference, [B] each (see the module docstring)."""
+
+    exact: torch.Tensor
+    k1: torch.Tensor
+    k3: torch.Tensor
+
+
+@torch.no_grad()
+def sequence_kl(
+    policy: nn.Module,
+    ref: nn.Module,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> SequenceKL:
+    """Exact, k1 and k3 sequence KL from one forward pass of each model.
+
+    The two [B, R, V] logit tensors are turned into log-softmaxes `chunk_size` token rows at a
+    time, so the extra memory is O(chunk_size * V) on top of the logits themselves; bound the
+    logits by passing fewer rows (`evaluate_policy` does, `batch_size` at a time).
+    """
+    ids, am, n = rollout.input_ids, rollout.attention_mask, rollout.response_len
+    logits = response_logits(
+        policy, ids.to(_device(policy)), am.to(_device(policy)), n, temperature
+    )
+    ref_logits = response_logits(ref, ids.to(_device(ref)), am.to(_device(ref)), n, temperature)
+    ref_logits = ref_logits.to(logits.device)
+    vocab = min(logits.shape[-1], ref_logits.shape[-1])  # padded LM heads: compare the real vocab
+    flat, flat_ref = (
+        logits[..., :vocab].reshape(-1, vocab),
+        ref_logits[..., :vocab].reshape(-1, vocab),
+    )
+    tokens = rollout.response_ids.to(logits.device).reshape(-1)
+    exact = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+    logp_tok, logq_tok = torch.empty_like(exact), torch.empty_like(exact)
+    for start in range(0, tokens.shape[0], chunk_size):
+        rows, picked = slice(start, start + chunk_size), tokens[start : start + chunk_size, None]
+        logp = torch.log_softmax(flat[rows].float(), dim=-1)
+        logq = torch.log_softmax(flat_ref[rows].float(), dim=-1)
+        # KL(p || q) = sum_a p_a (log p_a - log q_a), over the whole vocabulary
+        exact[rows] = (logp.exp() * (logp - logq)).sum(-1)
+        logp_tok[rows] = logp.gather(-1, picked).squeeze(-1)
+        logq_tok[rows] = logq.gather(-1, picked).squeeze(-1)
+    mask = rollout.response_mask.to(logits.device)
+    logp_tok, logq_tok = logp_tok.view(mask.shape), logq_tok.view(mask.shape)
+    return SequenceKL(
+        exact=masked_sum(exact.view(mask.shape), mask, dim=1),
+        k1=masked_sum(kl_estimate(logp_tok, logq_tok, "k1"), mask, dim=1),
+        k3=masked_sum(kl_estimate(logp_tok, logq_tok, "k3"), mask, dim=1),
+    )
+
+
+def exact_kl(
+    policy: nn.Module,
+    ref: nn.Module,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """[B] sum over valid response tokens of the exact per-token KL(pi || pi_ref)."""
+    return sequence_kl(policy, ref, rollout, temperature, chunk_size).exact
+
+
+def sampled_kl(
+    policy: nn.Module,
+    ref: nn.Module,
+    rollout: Rollout,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] sum of k1, [B] sum of k3) over valid response tokens; unbiased only when the rollout
+    was sampled from `policy` at `temperature` without top-k / top-p."""
+    kl = sequence_kl(policy, ref, rollout, temperature, chunk_size)
+    return kl.k1, kl.k3
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
