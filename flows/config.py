@@ -20,6 +20,8 @@ from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig, StrictModel
 from ppo_core.data_config import PreferencesConfig, PromptConfig, RewardModelConfig
 from ppo_core.eval_report import GateConfig
 from ppo_core.models import ModelSourceError, resolve_source
+from ppo_core.prompts import BUILTIN, builtin_path
+from ppo_core.records import is_local_file
 
 ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -200,6 +202,24 @@ def _check_sources(cfg: PipelineConfig) -> list[str]:
             resolve_source(source)
         except ModelSourceError as exc:
             problems.append(f"{field}: {exc}")
+    return problems + _check_data_files(cfg)
+
+
+def _check_data_files(cfg: PipelineConfig) -> list[str]:
+    """Local data files must exist (hub dataset ids are checked when the stage loads them)."""
+    candidates = [("prompts.source", cfg.prompts.source)]
+    source = cfg.preferences.source
+    if hasattr(source, "path"):
+        candidates.append(("preferences.source.path", source.path))
+    problems = []
+    for field, value in candidates:
+        if value.startswith(BUILTIN):
+            try:
+                builtin_path(value[len(BUILTIN) :])
+            except FileNotFoundError as exc:
+                problems.append(f"{field}: {exc}")
+        elif (is_local_file(value) or value.startswith(("/", "./", "../", "~"))) and not Path(value).expanduser().exists():
+            problems.append(f"{field}: {value}: file not found")
     return problems
 
 
