@@ -31,6 +31,24 @@ def kl_estimate(
     raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 
 
+def kl_penalty_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: KLEstimator = "k1",
+) -> torch.Tensor:
+    """rho_t * k_t, the KL term for use as a *loss* (KLConfig.in_reward=False).
+
+    The tokens were sampled from pi_old, not pi_theta, so the estimator is importance-weighted
+    with rho_t = pi_theta/pi_old: E_{pi_old}[rho k] = E_{pi_theta}[k], which for k1 and k3 is
+    KL(pi_theta || pi_ref) at every theta, and so is its gradient. Unweighted k1 would be wrong
+    as a loss: its gradient sum_t grad log pi_theta(a_t) ignores pi_ref entirely (zero in
+    expectation on-policy; it only lowers the likelihood of the sampled tokens).
+    """
+    rho = torch.exp(logprobs - old_logprobs)
+    return rho * kl_estimate(logprobs, ref_logprobs, estimator)
+
+
 @dataclass
 class FixedKLController:
     """beta stays where it was set."""

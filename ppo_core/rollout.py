@@ -8,7 +8,8 @@ pass (`Rollout.trimmed` drops columns that are pad in every row).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -147,11 +148,12 @@ def generate(
     query_ids, query_mask = query_ids.to(device), query_mask.to(device)
     budget = query_ids.shape[0] * sampling.max_new_tokens * _vocab_size(model) * 4
     keep_logits = want_logprobs and budget <= GENERATION_LOGITS_BUDGET_BYTES
-    out = model.generate(
-        input_ids=query_ids,
-        attention_mask=query_mask,
-        generation_config=generation_config(sampling, stop_ids, pad_id, keep_logits),
-    )
+    with _without_model_generation_defaults(model):
+        out = model.generate(
+            input_ids=query_ids,
+            attention_mask=query_mask,
+            generation_config=generation_config(sampling, stop_ids, pad_id, keep_logits),
+        )
     raw = out.sequences[:, query_ids.shape[1] :]
     response_ids, response_mask, ended = truncate_after_stop(raw, stop_ids, pad_id)
     logprobs = None
@@ -159,6 +161,21 @@ def generate(
         logits = torch.stack(out.logits, dim=1) / sampling.temperature
         logprobs = selective_log_softmax(logits, raw, chunk_size) * response_mask
     return Rollout(query_ids, query_mask, response_ids, response_mask, ended, logprobs)
+
+
+@contextmanager
+def _without_model_generation_defaults(model: nn.Module) -> Iterator[None]:
+    """transformers fills every field our GenerationConfig leaves None (suppress_tokens,
+    repetition_penalty, no_repeat_ngram_size, num_beams, ...) from model.generation_config; any of
+    them would make the sampling distribution differ from the softmax(logits / T) whose log-probs
+    PPO trains on. A blank model config for the call leaves only the library's own settings."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = getattr(base, "generation_config", None)
+    base.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        base.generation_config = saved
 
 
 def _vocab_size(model: nn.Module) -> int:
