@@ -31,10 +31,14 @@ def atomic_checkpoint(root: str | Path, name: str, keep_last: int | None = 2) ->
     try:
         yield tmp
         final = root / name
-        if final.exists():
-            shutil.rmtree(final)
+        trash = None
+        if final.exists():  # re-saving the same name: move the old one aside, delete it last
+            trash = root / f".{name}.old-{os.getpid()}"
+            os.replace(final, trash)
         os.replace(tmp, final)
         _write_pointer(root, name)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -47,8 +47,8 @@ class KLConfig(StrictModel):
     """The leash to the frozen reference policy."""
 
     estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator: k1 = log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r with r = pi/pi_ref
-    evaluated on samples of pi (Schulman's notation, log r = logp - ref_logp)."""
+    """Per-token KL estimator on samples of pi, with log r = log pi - log pi_ref: k1 = log r,
+    k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r (Schulman, "Approximating KL divergence")."""
     init_coef: float = Field(0.05, ge=0.0)
     """Initial KL coefficient beta."""
     target: float | None = Field(None, gt=0.0)

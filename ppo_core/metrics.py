@@ -55,10 +55,13 @@ class MetricAccumulator:
         return self._sums.get(key, 0.0)
 
 
-def rollout_metrics(exp: Experience, beta: float, raw_scores: torch.Tensor) -> dict[str, float]:
+def rollout_metrics(
+    exp: Experience, beta: float, raw_scores: torch.Tensor, kl_in_reward: bool = True
+) -> dict[str, float]:
+    """Rollout-side metrics; with the KL as a loss term the reward has no non-score part."""
     mask = exp.mask
     seq_kl = masked_sum(exp.kl, mask, dim=1)
-    non_score = -beta * seq_kl
+    non_score = -beta * seq_kl if kl_in_reward else torch.zeros_like(seq_kl)
     return {
         "objective/scores": exp.scores.mean().item(),
         "objective/raw_scores": raw_scores.mean().item(),

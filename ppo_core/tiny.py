@@ -17,10 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 WORDS = (
-    "the a it was is and but very so food movie hotel day trip service room staff view music "
-    "good great lovely happy wonderful excellent nice fun best enjoyed love "
-    "bad awful terrible sad boring worst hate poor dirty rude slow "
-    "okay fine average normal quiet busy long short new old today yesterday we i they".split()
+    ["the", "a", "it", "was", "is", "and", "but", "very", "so", "food", "movie", "hotel", "day", "trip", "service", "room", "staff", "view", "music", "good", "great", "lovely", "happy", "wonderful", "excellent", "nice", "fun", "best", "enjoyed", "love", "bad", "awful", "terrible", "sad", "boring", "worst", "hate", "poor", "dirty", "rude", "slow", "okay", "fine", "average", "normal", "quiet", "busy", "long", "short", "new", "old", "today", "yesterday", "we", "i", "they"]
 )
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -9,7 +9,6 @@ moves tensors, steps optimizers and keeps the state a resumed run needs.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import math
 import random
@@ -22,14 +21,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.checkpoint import (
-    atomic_checkpoint,
-    latest_checkpoint,
-    load_json,
-    load_state,
-    save_json,
-    save_state,
-)
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
 from ppo_core.experience import Experience, PromptSampler, ScoreFn, compute_advantages, in_chunks
 from ppo_core.kl import kl_penalty_per_token, make_kl_controller
@@ -44,8 +35,8 @@ from ppo_core.masked import masked_mean, masked_sum
 from ppo_core.metrics import MetricAccumulator, rollout_metrics
 from ppo_core.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.rollout import Rollout, generate, left_pad
+from ppo_core.trainer_state import load_trainer_state, save_trainer_state
 from ppo_core.value import CriticModel, SharedValueHead
-from ppo_core.weights import load_module, save_module
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 """on_metrics(iteration, metrics): how numbers leave the library (the pipeline wires it to MLflow)."""
@@ -165,17 +156,18 @@ class PPOTrainer:
         t4 = time.perf_counter()
         seq_kl = masked_sum(exp.kl, exp.mask, dim=1).mean().item()
         beta = self.kl_ctl.value
+        lr = self.optimizers[0].param_groups[0]["lr"]  # the LR this iteration's update used
         self.kl_ctl.update(seq_kl, self.config.batch_size)
         for scheduler in self.schedulers:
             scheduler.step()
         self.iteration += 1
         self.last_experience = exp
-        metrics = rollout_metrics(exp, beta, raw_scores)
+        metrics = rollout_metrics(exp, beta, raw_scores, kl_in_reward=self.config.kl.in_reward)
         metrics.update(update)
         tokens = int(exp.rollout.attention_mask.sum())
         metrics.update(
             {
-                "lr": self.optimizers[0].param_groups[0]["lr"],
+                "lr": lr,
                 "time/rollout": t1 - t0,
                 "time/score": t2 - t1,
                 "time/forward": t3 - t2,
@@ -376,49 +368,9 @@ class PPOTrainer:
         return history
 
     def save(self, root: str | Path) -> Path:
-        with atomic_checkpoint(root, f"iter-{self.iteration:06d}") as tmp:
-            save_module(self.policy, tmp / "policy.safetensors")
-            save_module(self.critic if self.critic is not None else self.shared_head, tmp / "value.safetensors")
-            save_state(tmp / "optim.pt", {
-                "optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers],
-            })
-            save_state(tmp / "rng.pt", {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                "shuffle": self.shuffle_gen.get_state(),
-            })
-            save_json(tmp / "trainer.json", {
-                "iteration": self.iteration,
-                "consecutive_skips": self.consecutive_skips,
-                "kl_controller": self.kl_ctl.state_dict(),
-                "python_random": repr(random.getstate()),
-            })
-        return Path(root) / f"iter-{self.iteration:06d}"
+        """Atomically checkpoint everything a resumed run needs (see ppo_core.trainer_state)."""
+        return save_trainer_state(self, root)
 
     def load(self, root_or_folder: str | Path) -> bool:
         """Restore from a checkpoint folder or a root with `latest`; False when there is none."""
-        folder = Path(root_or_folder)
-        if not (folder / "trainer.json").exists():
-            found = latest_checkpoint(folder)
-            if found is None:
-                return False
-            folder = found
-        load_module(self.policy, folder / "policy.safetensors", self.device)
-        load_module(self.critic if self.critic is not None else self.shared_head, folder / "value.safetensors", self.device)
-        optim = load_state(folder / "optim.pt")
-        for opt, state in zip(self.optimizers, optim["optimizers"], strict=True):
-            opt.load_state_dict(state)
-        for sched, state in zip(self.schedulers, optim["schedulers"], strict=True):
-            sched.load_state_dict(state)
-        rng = load_state(folder / "rng.pt")
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.shuffle_gen.set_state(rng["shuffle"])
-        meta = load_json(folder / "trainer.json")
-        self.iteration = int(meta["iteration"])
-        self.consecutive_skips = int(meta["consecutive_skips"])
-        self.kl_ctl.load_state_dict(meta["kl_controller"])
-        random.setstate(ast.literal_eval(meta["python_random"]))
-        return True
+        return load_trainer_state(self, root_or_folder)

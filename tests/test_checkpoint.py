@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ppo_core.trainer
+import ppo_core.trainer_state
 from ppo_core.checkpoint import LATEST, atomic_checkpoint, latest_checkpoint
 from tests.resume_worker import TOTAL_ITERATIONS, make_resume_trainer, policy_state
 
@@ -109,7 +109,7 @@ def test_failed_trainer_save_keeps_the_previous_checkpoint_loadable(
         raise OSError("no space left on device")
 
     trainer.step()
-    monkeypatch.setattr(ppo_core.trainer, "save_state", broken)
+    monkeypatch.setattr(ppo_core.trainer_state, "save_state", broken)
     with pytest.raises(OSError, match="no space"):
         trainer.save(tmp_path)
     monkeypatch.undo()

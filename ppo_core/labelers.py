@@ -1,0 +1,216 @@
+"""Generated preference pairs: sample k answers per prompt from the reference policy, then
+let a labeler judge every pair.
+
+Labelers:
+- a programmatic gold scorer, `(prompts, responses) -> scores`: `vader` (the VADER sentiment
+  compound of the response, in [-1, 1]) or any `module:function`. An optional Bradley-Terry
+  noise model simulates human raters: a is preferred to b with probability
+  sigmoid((s_a - s_b) / T) (Bradley & Terry 1952; the model the reward model itself assumes),
+  so T -> 0 gives the deterministic gold ranking and T -> inf a coin flip.
+- people: `export_unlabeled` writes the pairs to a JSONL that raters fill with
+  "preferred": "a" | "b"; `import_labels` reads it back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from ppo_core.config import SamplingConfig
+from ppo_core.data_config import PromptConfig
+from ppo_core.models import stop_token_ids
+from ppo_core.preferences import PreferenceRow
+from ppo_core.prompts import encode_prompts
+from ppo_core.rollout import generate, left_pad
+
+GoldScorer = Callable[[list[str], list[str]], list[float]]
+"""(prompts, responses) -> one float per response; higher is better."""
+ResponseGroup = tuple[str, list[str]]
+"""A prompt and the k responses sampled for it."""
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=1)
+def _vader():
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+
+    return SentimentIntensityAnalyzer()
+
+
+def vader_scores(texts: list[str]) -> list[float]:
+    """VADER compound sentiment in [-1, 1] (Hutto & Gilbert 2014): rule-based, offline."""
+    analyzer = _vader()
+    return [float(analyzer.polarity_scores(text)["compound"]) for text in texts]
+
+
+def vader_gold(prompts: list[str], responses: list[str]) -> list[float]:
+    """The `vader` gold scorer: only the response's sentiment counts."""
+    return vader_scores(responses)
+
+
+def load_gold_scorer(name: str) -> GoldScorer:
+    """`vader`, or `package.module:function` for any scorer with the GoldScorer signature."""
+    if name == "vader":
+        return vader_gold
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"labeler {name!r}: expected 'vader' or 'module:function'")
+    function = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(function):
+        raise ValueError(f"labeler {name!r}: {module_name} has no callable {attr!r}")
+    return function
+
+
+@torch.no_grad()
+def sample_response_groups(
+    policy: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    prompt_cfg: PromptConfig,
+    k: int,
+    sampling: SamplingConfig,
+    batch_size: int = 32,
+    seed: int = 0,
+) -> list[ResponseGroup]:
+    """k sampled responses per prompt, decoded without special tokens (the text a rater sees)."""
+    torch.manual_seed(seed)
+    encoded = encode_prompts(tokenizer, prompts, prompt_cfg)
+    jobs = [i for i in range(len(prompts)) for _ in range(k)]
+    stops = stop_token_ids(tokenizer, sampling.stop_token_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    responses: list[list[str]] = [[] for _ in prompts]
+    was_training = policy.training
+    policy.eval()
+    for start in tqdm(range(0, len(jobs), batch_size), desc="sampling responses", unit="batch"):
+        rows = jobs[start : start + batch_size]
+        query_ids, query_mask = left_pad([encoded[i] for i in rows], pad_id)
+        rollout = generate(
+            policy,
+            query_ids,
+            query_mask,
+            sampling,
+            stops,
+            tokenizer.pad_token_id,
+            want_logprobs=False,
+        )
+        for row, ids, mask in zip(rows, rollout.response_ids, rollout.response_mask, strict=True):
+            text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            responses[row].append(text.strip())
+    policy.train(was_training)
+    return list(zip(prompts, responses, strict=True))
+
+
+def bradley_terry_probability(score_a: float, score_b: float, temperature: float) -> float:
+    """P(a preferred to b) = sigmoid((s_a - s_b) / T), computed without overflow."""
+    z = (score_a - score_b) / temperature
+    if z >= 0:
+        return 1.0 / (1.0 + math.exp(-z))
+    return math.exp(z) / (1.0 + math.exp(z))
+
+
+def label_pairs(
+    groups: Sequence[ResponseGroup],
+    scorer: GoldScorer,
+    noise_temperature: float | None = None,
+    seed: int = 0,
+    min_score_gap: float = 0.0,
+) -> list[PreferenceRow]:
+    """Every pair of distinct responses in each group, labelled by the gold scorer.
+
+    Pairs with |s_a - s_b| < min_score_gap are dropped, and so are exact ties when labels are
+    deterministic (nothing decides them). The gold scores go into the metadata so held-out
+    agreement with gold can be measured later without rescoring.
+    """
+    flat_prompts = [p for p, responses in groups for _ in responses]
+    flat_responses = [r for _, responses in groups for r in responses]
+    scores = [float(s) for s in scorer(flat_prompts, flat_responses)]
+    if len(scores) != len(flat_responses):
+        raise ValueError(
+            f"gold scorer returned {len(scores)} scores for {len(flat_responses)} responses"
+        )
+    rng = random.Random(seed)
+    rows: list[PreferenceRow] = []
+    offset = 0
+    for prompt, responses in groups:
+        for i, j in itertools.combinations(range(len(responses)), 2):
+            a, b = responses[i], responses[j]
+            s_a, s_b = scores[offset + i], scores[offset + j]
+            gap = abs(s_a - s_b)
+            if not a.strip() or not b.strip() or a.strip() == b.strip() or gap < min_score_gap:
+                continue
+            if noise_temperature is None:
+                if gap == 0.0:
+                    continue
+                a_wins = s_a > s_b
+            else:
+                a_wins = rng.random() < bradley_terry_probability(s_a, s_b, noise_temperature)
+            chosen, rejected = (a, b) if a_wins else (b, a)
+            s_c, s_r = (s_a, s_b) if a_wins else (s_b, s_a)
+            meta = {"gold_chosen": s_c, "gold_rejected": s_r}
+            rows.append(
+                PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected, metadata=meta)
+            )
+        offset += len(responses)
+    return rows
+
+
+def export_unlabeled(groups: Sequence[ResponseGroup], path: str | Path) -> int:
+    """Write every pair as {"id", "prompt", "a", "b", "preferred": null}; returns the count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w", encoding="utf-8") as handle:
+        for g, (prompt, responses) in enumerate(groups):
+            for i, j in itertools.combinations(range(len(responses)), 2):
+                if responses[i].strip() == responses[j].strip():
+                    continue
+                item = {
+                    "id": f"{g}-{i}-{j}",
+                    "prompt": prompt,
+                    "a": responses[i],
+                    "b": responses[j],
+                    "preferred": None,
+                }
+                handle.write(json.dumps(item, ensure_ascii=False) + "\n")
+                n += 1
+    return n
+
+
+def import_labels(path: str | Path) -> list[PreferenceRow]:
+    """Pairs whose "preferred" is "a" or "b". Unlabelled, "tie" and "skip" lines are left out
+    silently; any other value is logged with its line, so a typo is seen but costs one pair."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            choice = str(item.get("preferred") or "").strip().lower()
+            if choice in ("", "tie", "skip"):
+                continue
+            if choice not in ("a", "b"):
+                log.warning(
+                    "%s:%d: preferred=%r is not 'a' or 'b'; pair skipped", path, number, choice
+                )
+                continue
+            chosen, rejected = (item["a"], item["b"]) if choice == "a" else (item["b"], item["a"])
+            meta = {"id": item.get("id"), "labeler": "human", "row": number}
+            rows.append(
+                PreferenceRow(
+                    prompt=item["prompt"], chosen=chosen, rejected=rejected, metadata=meta
+                )
+            )
+    return rows
