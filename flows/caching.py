@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-STAGE_VERSIONS = {
+STAGE_VERSIONS = {  # in pipeline order: --force STAGE also refreshes every stage after it
+    "snapshot_reference": "1",
     "collect_preferences": "1",
     "train_reward_model": "1",
-    "snapshot_reference": "1",
     "ppo_round": "1",
     "evaluate": "1",
 }

@@ -73,6 +73,15 @@ def _run_flow(config_dict: dict[str, Any], force: list[str] | None) -> dict[str,
     return rlhf_pipeline(config=config_dict, force=force or None)
 
 
+def _check_tracking(cfg: Any) -> None:
+    """An unusable tracking store is reported now, before Prefect starts (the ephemeral API alone
+    takes tens of seconds) and long before any training; the flow checks again for deployments."""
+    from flows.tracking import connect, default_tracking_uri
+
+    uri = cfg.tracking.uri or default_tracking_uri(Path.cwd())
+    connect(uri, cfg.tracking.experiment or cfg.name, Path.cwd() / "mlruns")
+
+
 @app.command()
 def run(
     config: Path,
@@ -91,6 +100,7 @@ def run(
     from flows.tracking import TrackingError
 
     try:
+        _check_tracking(cfg)
         result = _run_flow(cfg.model_dump(mode="json"), force)
     except TrackingError as err:
         typer.echo(f"error: {err}", err=True)

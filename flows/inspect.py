@@ -39,7 +39,11 @@ def stage_table(cfg: PipelineConfig) -> list[dict[str, str]]:
 
     ref = add("snapshot_reference", keys.reference_key(cfg))
     generated = cfg.preferences.source.kind == "generated"
-    prefs = add("collect_preferences", keys.preferences_key(cfg, ref) if ref or not generated else None)
+    labels = None
+    if cfg.preferences.source.kind == "human" and ref is not None:
+        folder = work_dir / "stages" / "sample_pairs_for_labelling" / keys.human_pairs_key(cfg, ref)
+        labels = str(folder / "labels.jsonl") if (folder / "labels.jsonl").exists() else None
+    prefs = add("collect_preferences", keys.preferences_key(cfg, ref, labels) if ref or not generated else None)
     rm = add("train_reward_model", keys.reward_key(cfg, prefs, ref) if prefs and ref else None)
     previous, policies = None, []
     for k in range(1, cfg.ppo.rounds + 1):

@@ -4,8 +4,9 @@ the flow and by `rlhf stages`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
-from flows.caching import stage_key
+from flows.caching import sha256_file, stage_key
 from flows.config import PipelineConfig
 from flows.refs import PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 
@@ -14,16 +15,31 @@ def reference_key(cfg: PipelineConfig) -> str:
     return stage_key("snapshot_reference", {"reference": {"source": cfg.reference_source, "model": cfg.model}}, {})
 
 
-def preferences_key(cfg: PipelineConfig, reference: ReferenceRef | None) -> str:
-    """Generated pairs depend on the reference policy; dataset and label-file pairs do not."""
+def preferences_key(cfg: PipelineConfig, reference: ReferenceRef | None, labels_path: str | None = None) -> str:
+    """Generated pairs depend on the reference policy; dataset and label-file pairs on their
+    file's content; human labels on the label file the people filled."""
     generated = cfg.preferences.source.kind == "generated"
     if generated and reference is None:
         raise ValueError("generated preferences need the reference snapshot's hash")
+    source = cfg.preferences.source
+    data_file = labels_path or getattr(source, "path", None)
     return stage_key(
         "collect_preferences",
         {"preferences": cfg.preferences, "prompts": cfg.prompts},
-        {"reference": reference.sha256 if generated and reference else None},
+        {"reference": reference.sha256 if generated and reference else None, "data": file_fingerprint(data_file)},
     )
+
+
+def human_pairs_key(cfg: PipelineConfig, reference: ReferenceRef) -> str:
+    return stage_key("collect_preferences", {"preferences": cfg.preferences, "prompts": cfg.prompts, "step": "pairs"},
+                     {"reference": reference.sha256})
+
+
+def file_fingerprint(path: str | None) -> str | None:
+    """sha256 of a local data file (so an edited file reruns its stage); None for hub ids."""
+    if path is None or not Path(path).is_file():
+        return None
+    return sha256_file(path)
 
 
 def reward_key(cfg: PipelineConfig, prefs: PreferenceSet, reference: ReferenceRef) -> str:

@@ -23,6 +23,7 @@ from flows import keys
 from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
+from flows.human import collect_human_labels, sample_pairs_for_labelling
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
@@ -82,6 +83,16 @@ def _headline(result: Any) -> dict[str, Any]:
     return out
 
 
+def _human_labels(run: StageRunner, cfg: PipelineConfig, settings: dict, reference: Any, work_dir: str) -> str:
+    """Sample pairs (cached), then pause the flow for people to label them in the Prefect UI."""
+    source = cfg.preferences.source
+    unlabelled = run(
+        sample_pairs_for_labelling, "collect_preferences", "sample_pairs_for_labelling",
+        key=keys.human_pairs_key(cfg, reference), settings=settings, reference=reference, work_dir=work_dir,
+    )
+    return collect_human_labels(unlabelled, source.pairs_per_form, source.timeout_seconds)
+
+
 def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk.TrackingContext:
     uri = cfg.tracking.uri or trk.default_tracking_uri(Path.cwd())
     experiment = cfg.tracking.experiment or cfg.name
@@ -89,8 +100,7 @@ def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk
     ctx = trk.TrackingContext(
         uri=uri, experiment_id=experiment_id, pipeline=cfg.name, flow_run_id=flow_run_id, config_hash=config_hash(cfg)
     )
-    params = trk.flatten(cfg.model_dump(mode="json"))
-    ctx.parent_run_id = trk.open_parent_run(ctx, f"{cfg.name}-{flow_run_id[:8]}", params)
+    ctx.parent_run_id = trk.open_parent_run(ctx, f"{cfg.name}-{flow_run_id[:8]}", cfg.model_dump(mode="json"))
     return ctx
 
 
@@ -114,10 +124,13 @@ def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dic
             source=cfg.reference_source, tokenizer_source=cfg.model.tokenizer,
             trust_remote_code=cfg.model.trust_remote_code, register=cfg.tracking.register_models, **common,
         )
+        labels = None
+        if cfg.preferences.source.kind == "human":
+            labels = _human_labels(run, cfg, settings, reference, str(work_dir))
         prefs = run(
             collect_preferences, "collect_preferences", "collect_preferences",
-            key=keys.preferences_key(cfg, reference),
-            settings=settings, reference=reference, **common,
+            key=keys.preferences_key(cfg, reference, labels),
+            settings=settings, reference=reference, labels_path=labels, **common,
         )
         reward = run(
             train_reward_model, "train_reward_model", "train_reward_model",
@@ -131,7 +144,7 @@ def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dic
                 ppo_round, "ppo_round", f"ppo_round_{k}",
                 key=keys.ppo_key(cfg, k, reference, reward, prefs, previous),
                 round_number=k, settings=settings, reference=reference, reward=reward, prefs=prefs,
-                previous=previous, is_last=k == cfg.ppo.rounds, **common,
+                previous=previous, is_last=k == cfg.ppo.rounds, restart="ppo_round" in run.forced, **common,
             )
             policies.append(previous)
         report = run(

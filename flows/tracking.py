@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import yaml
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from pydantic import BaseModel
@@ -69,8 +71,9 @@ def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str
         raise TrackingError(f"tracking.uri {uri!r}: MLflow tracking store unusable: {type(exc).__name__}: {exc}") from None
 
 
-def open_parent_run(ctx: TrackingContext, run_name: str, params: dict[str, Any]) -> str:
-    """Continue the unfinished parent run of the same config, or start a new one."""
+def open_parent_run(ctx: TrackingContext, run_name: str, config: dict[str, Any]) -> str:
+    """Continue the unfinished parent run of the same config, or start a new one (params: the
+    flattened resolved config; artifact: the resolved YAML)."""
     client = MlflowClient(ctx.uri)
     runs = client.search_runs(
         [ctx.experiment_id],
@@ -86,10 +89,29 @@ def open_parent_run(ctx: TrackingContext, run_name: str, params: dict[str, Any])
     run = client.create_run(
         ctx.experiment_id,
         run_name=run_name,
-        tags={PARENT_TAG: "true", CONFIG_HASH_TAG: ctx.config_hash, "prefect.flow_run_id": ctx.flow_run_id},
+        tags={
+            PARENT_TAG: "true",
+            CONFIG_HASH_TAG: ctx.config_hash,
+            "prefect.flow_run_id": ctx.flow_run_id,
+            "rlhf.code_version": code_version(),
+        },
     )
-    _log_params(client, run.info.run_id, params)
+    _log_params(client, run.info.run_id, flatten(config))
+    client.log_text(run.info.run_id, yaml.safe_dump(config, sort_keys=False), "config.resolved.yaml")
     return run.info.run_id
+
+
+def code_version() -> str:
+    """Package version plus the git commit of the checkout when there is one."""
+    from ppo_core import __version__
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{__version__}+{commit}" if commit else __version__
 
 
 def close_parent_run(ctx: TrackingContext, failed: bool) -> None:
@@ -115,15 +137,23 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 @contextmanager
-def stage_run(ctx: TrackingContext, stage: str, tags: dict[str, str] | None = None) -> Iterator[str | None]:
-    """A child run of the pipeline's parent run, active in this thread while the stage works."""
+def stage_run(
+    ctx: TrackingContext, stage: str, tags: dict[str, str] | None = None, system_metrics: bool = False
+) -> Iterator[str | None]:
+    """A child run of the pipeline's parent run, active in this thread while the stage works.
+    `system_metrics` samples CPU/GPU utilisation and memory into the run (GPU stages)."""
     if not ctx.enabled:
         yield None
         return
     mlflow.set_tracking_uri(ctx.uri)
     all_tags = {"rlhf.stage": stage, "rlhf.cached": "false", "prefect.flow_run_id": ctx.flow_run_id, **(tags or {})}
     with mlflow.start_run(
-        experiment_id=ctx.experiment_id, run_name=stage, parent_run_id=ctx.parent_run_id, nested=True, tags=all_tags
+        experiment_id=ctx.experiment_id,
+        run_name=stage,
+        parent_run_id=ctx.parent_run_id,
+        nested=True,
+        tags=all_tags,
+        log_system_metrics=system_metrics or None,
     ) as run:
         yield run.info.run_id
 

@@ -104,8 +104,28 @@ class LabelFileSource(StrictModel):
     """The filled JSONL: one pair per line with "preferred": "a" or "b"."""
 
 
+class HumanPreferenceSource(StrictModel):
+    """Pairs sampled from the reference policy and labelled by people in the Prefect UI: the
+    pipeline pauses with one form per batch of pairs and continues with the submitted labels."""
+
+    kind: Literal["human"] = "human"
+    """Discriminator."""
+    responses_per_prompt: int = Field(2, ge=2)
+    """k responses per prompt; every pair is shown."""
+    n_prompts: int | None = Field(None, ge=1)
+    """Use only the first N training prompts (None: all)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How the reference policy samples the candidate responses."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences generated at once."""
+    pairs_per_form: int = Field(10, ge=1)
+    """Pairs shown in one Prefect form."""
+    timeout_seconds: int = Field(86400, ge=1)
+    """How long the paused flow waits for each form before failing (the labels given so far are kept)."""
+
+
 PreferenceSource = Annotated[
-    DatasetPreferenceSource | GeneratedPreferenceSource | LabelFileSource,
+    DatasetPreferenceSource | GeneratedPreferenceSource | LabelFileSource | HumanPreferenceSource,
     Field(discriminator="kind"),
 ]
 

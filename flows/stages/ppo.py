@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def ppo_round(
     work_dir: str,
     tracking: TrackingContext,
     is_last: bool,
+    restart: bool = False,
 ) -> PolicyCheckpoint:
     start = time.perf_counter()
     log = logger()
@@ -122,7 +124,12 @@ def ppo_round(
     device = DeviceConfig.model_validate(settings["orchestration"]["device"])
     folder = stage_dir(work_dir, "ppo_round", key)
     state_dir = folder / "state"
-    with stage_run(tracking, f"ppo_round_{round_number}", {"rlhf.round": str(round_number)}) as run_id:
+    if restart and state_dir.exists():
+        # --force: the in-round checkpoints of an earlier run of this key would be "resumed",
+        # finished ones included, and the round would recompute nothing.
+        shutil.rmtree(state_dir)
+    on_gpu = torch.cuda.is_available() and device.device != "cpu"
+    with stage_run(tracking, f"ppo_round_{round_number}", {"rlhf.round": str(round_number)}, on_gpu) as run_id:
         metric_logger = MetricLogger(run_id, tracking.uri)
         micro = ppo["algo"].get("micro_batch_size")
         while True:
@@ -148,7 +155,9 @@ def ppo_round(
                 torch.cuda.empty_cache()
         sha, plain_policy = _export_policy(trainer, folder / "policy")
         history = metric_logger.history
-        plot = plot_training_curves(history, folder / "curves.png")
+        # Empty when the round resumed from its own final checkpoint (a crash after the last
+        # iteration): nothing new to plot.
+        plot = plot_training_curves(history, folder / "curves.png") if history else None
         (folder / "history.json").write_text(json.dumps(history))
         result = PolicyCheckpoint(
             path=str(folder / "policy"),
@@ -160,7 +169,8 @@ def ppo_round(
             mlflow_run_id=run_id,
         )
         if run_id is not None:
-            mlflow.log_artifact(str(plot), artifact_path="plots")
+            if plot is not None:
+                mlflow.log_artifact(str(plot), artifact_path="plots")
             _log_samples(trainer, round_number, run_id)
             if is_last and settings["tracking"]["register_models"]:
                 name = f"{tracking.pipeline}-policy"

@@ -24,14 +24,17 @@ from ppo_core.prompts import load_prompts, split_prompts
 
 
 def _collect_rows(
-    prefs: PreferencesConfig, prompt_cfg: PromptConfig, train: list[str], reference: ReferenceRef
+    prefs: PreferencesConfig, prompt_cfg: PromptConfig, train: list[str], reference: ReferenceRef, labels: str | None
 ) -> tuple[list[PreferenceRow], dict[str, int], list[str]]:
     source = prefs.source
     tokenizer = AutoTokenizer.from_pretrained(reference.path)
     if source.kind == "dataset":
         return load_preference_dataset(source, tokenizer, prefs.max_tokens, prefs.max_bad_fraction)
-    if source.kind == "label_file":
-        return import_labels(source.path), {}, []
+    if source.kind in ("label_file", "human"):
+        path = source.path if source.kind == "label_file" else labels
+        if path is None:
+            raise ValueError("preferences.source: human labels were not collected (no label file)")
+        return import_labels(path), {}, []
     policy = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32)
     prompts = train[: source.n_prompts] if source.n_prompts else train
     groups = sample_response_groups(
@@ -45,7 +48,12 @@ def _collect_rows(
 
 @task(name="collect_preferences", cache_key_fn=key_from_parameters, persist_result=True)
 def collect_preferences(
-    key: str, settings: dict, reference: ReferenceRef, work_dir: str, tracking: TrackingContext
+    key: str,
+    settings: dict,
+    reference: ReferenceRef,
+    work_dir: str,
+    tracking: TrackingContext,
+    labels_path: str | None = None,
 ) -> PreferenceSet:
     start = time.perf_counter()
     log = logger()
@@ -59,7 +67,7 @@ def collect_preferences(
             "both must be non-empty (add prompts or change prompts.heldout_fraction)"
         )
     log.info("prompts: %d train, %d held-out", len(train), len(heldout))
-    rows, rejected, examples = _collect_rows(prefs, prompt_cfg, train, reference)
+    rows, rejected, examples = _collect_rows(prefs, prompt_cfg, train, reference, labels_path)
     info = write_preference_set(rows, folder / f"preferences.{prefs.format}", prefs.format, rejected, examples)
     result = PreferenceSet(
         path=info.path, sha256=info.sha256, n_rows=info.n_rows, n_read=info.n_read,
