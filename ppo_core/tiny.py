@@ -26,22 +26,23 @@ CHAT_TEMPLATE = (
 TINY_NAMES = ("llama",)
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+def tiny_tokenizer(words: list[str] | None = None, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer: ids 0-3 are <pad>, <eos>, <bos>, <unk>, then `words` in order."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + (WORDS if words is None else words))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.padding_side = "left"
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return tok
 
 
-def tiny_llama(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCausalLM:
-    generator_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(SPECIALS) + len(WORDS),
+def tiny_llama_config(vocab_size: int = len(SPECIALS) + len(WORDS), hidden: int = 32, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
@@ -53,9 +54,15 @@ def tiny_llama(seed: int = 0, hidden: int = 32, layers: int = 2) -> LlamaForCaus
         bos_token_id=2,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    torch.set_rng_state(generator_state)
-    return model
+
+
+def tiny_llama(
+    seed: int = 0, vocab_size: int = len(SPECIALS) + len(WORDS), hidden: int = 32, layers: int = 2
+) -> LlamaForCausalLM:
+    """Random weights fixed by `seed`; the caller's RNG state is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(tiny_llama_config(vocab_size, hidden, layers))
 
 
 def tiny_dir() -> Path:

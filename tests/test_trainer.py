@@ -7,11 +7,12 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ppo_core.config import DeviceConfig, KLConfig, PPOConfig, SamplingConfig
 from ppo_core.logprobs import response_logprobs
 from ppo_core.models import disable_dropout
+from ppo_core.tiny import tiny_llama_config
 from ppo_core.trainer import NonFiniteError, PPOTrainer
 from ppo_core.value import CriticModel
 from tests.conftest import TARGET_TOKEN, build_trainer, count_token_score, make_prompts, tiny_gpt2
@@ -175,17 +176,8 @@ def test_nan_loss_from_a_hook_is_skipped_and_the_streak_resets() -> None:
 
 def _llama_with_dropout(p: float) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=44,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=p,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
+    config = tiny_llama_config(vocab_size=44)
+    config.attention_dropout = p
     return LlamaForCausalLM(config)
 
 
