@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from flows.runtime import DEFAULTS
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 PPO_STAGES = ("ppo_round_1", "ppo_round_2")
@@ -35,18 +37,9 @@ FAIL_AT = "ppo_round:2:1"
 NEW_LR = "ppo.algo.learning_rate=0.0005"
 
 QUIET_ENV = {
+    **DEFAULTS,  # the product's own offline/quiet defaults
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_CLIENT_ENABLE_METRICS": "false",
-    "DO_NOT_TRACK": "1",
-    "MLFLOW_ENABLE_TELEMETRY": "false",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
-    "TOKENIZERS_PARALLELISM": "false",
-    "GIT_PYTHON_REFRESH": "quiet",
     "OMP_NUM_THREADS": "1",
 }
 
