@@ -79,6 +79,6 @@ def train_reward_model(
                 )
                 result.registered_name = name
         result.seconds = time.perf_counter() - start
-    log.info("reward model: held-out accuracy %.3f, gold agreement %s, %.1fs",
+    log.info("reward model: held-out accuracy %s, gold agreement %s, %.1fs",
              report.eval_accuracy, report.gold_agreement, result.seconds)
     return result
