@@ -84,9 +84,8 @@ class RewardModel(nn.Module):
             tokenizer.padding_side = "right"
         if tokenizer.pad_token_id is None:
             raise ValueError("reward model tokenizer has no pad token")
-        model.config.pad_token_id = (
-            tokenizer.pad_token_id
-        )  # the head finds the last real token by it
+        # causal heads read the rightmost token that is not pad_token_id: it must be set
+        model.config.pad_token_id = tokenizer.pad_token_id
 
     @classmethod
     def from_pretrained(
