@@ -37,6 +37,9 @@ def summary_markdown(cfg: PipelineConfig, ctx: TrackingContext, records: list[St
     models = [(r.label, getattr(r.result, "model_uri", None)) for r in records if getattr(r.result, "model_uri", None)]
     if models:
         lines += ["", "**Registered models**", ""] + [f"- {label}: `{uri}`" for label, uri in models]
+    plots = [str(r.result.plot_path) for r in records if getattr(r.result, "plot_path", None)]
+    if plots:
+        lines += ["", "**Plots** (also in the MLflow runs)", ""] + [f"- `{p}`" for p in plots]
     lines += [
         "",
         f"MLflow: `{ctx.uri}` (experiment id {ctx.experiment_id}, parent run `{ctx.parent_run_id}`);"

@@ -18,6 +18,7 @@ import mlflow
 import torch
 from prefect import task
 from prefect.artifacts import create_table_artifact
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters, sha256_tree
@@ -85,12 +86,16 @@ def _run_round(trainer: PPOTrainer, round_number: int, per_round: int, every: in
     target = round_number * per_round
     if trainer.iteration < start_iteration:
         raise RuntimeError(f"round {round_number}: trainer at iteration {trainer.iteration}, expected {start_iteration}")
+    progress = tqdm(total=target - start_iteration, initial=trainer.iteration - start_iteration, desc=f"PPO round {round_number}", unit="it")
     while trainer.iteration < target:
-        trainer.step()
+        metrics = trainer.step()
+        progress.update(1)
+        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}")
         local = trainer.iteration - start_iteration
         if local % every == 0 or trainer.iteration == target:
             trainer.save(state_dir)
         maybe_fail("ppo_round", round_number, local)
+    progress.close()
 
 
 def _log_samples(trainer: PPOTrainer, round_number: int, run_id: str | None) -> None:
