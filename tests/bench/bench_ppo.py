@@ -207,7 +207,8 @@ class PlainBaselines:
         cfg, device = trainer.config, trainer.device
         self.policy = copy.deepcopy(trainer.policy)
         self.critic = copy.deepcopy(trainer.critic) if trainer.critic is not None else None
-        kwargs = {"lr": cfg.learning_rate, "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+        impl = {k: trainer.optimizers[0].defaults.get(k) for k in ("fused", "foreach")}
+        kwargs = {"lr": cfg.learning_rate, "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, **impl}
         self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
         if self.critic is not None:
             self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
@@ -299,9 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer, scorer = build(args)
     meter = Meter(trainer.device)
     plain = PlainBaselines(trainer, meter)
-    if args.fused_adamw:  # experiment: torch's fused AdamW kernel (CPU and CUDA) in both
+    if args.adamw != "trainer":  # experiment: another AdamW kernel, in the trainer and the plain step
         for group in (g for opt in [*trainer.optimizers, *plain.optimizers] for g in opt.param_groups):
-            group.update(fused=True, foreach=False)
+            group.update(fused=args.adamw == "fused", foreach=False)
     trainer._rollout = meter.wrap("generation", trainer._rollout)
     scorer_forward = scorer.forward
     scorer.forward = meter.wrap("scoring", scorer_forward)
@@ -421,8 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--profile", action="store_true", help="split phases into forward/backward/optimizer")
-    parser.add_argument("--fused-adamw", action="store_true",
-                        help="experiment: switch the trainer's (and the plain step's) AdamW to fused=True")
+    parser.add_argument("--adamw", choices=["trainer", "fused", "loop"], default="trainer",
+                        help="experiment: AdamW kernel for trainer and plain step (loop = torch's CPU default)")
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
     return parser.parse_args(argv)
 
