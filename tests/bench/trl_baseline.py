@@ -94,10 +94,14 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
         for p in PROMPTS
     ]
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]})
+    dataset = Dataset.from_dict(
+        {"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]}
+    )
     policy = AutoModelForCausalLM.from_pretrained(args.model)
     ref = AutoModelForCausalLM.from_pretrained(args.model)
     value = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=1)
@@ -107,8 +111,13 @@ def run(args: argparse.Namespace) -> dict:
     original_generation, original_forward = ppo_module.batch_generation, ppo_module.forward
 
     def timed_generation(*a, **k):
-        marks.append({"start": time.perf_counter(), "cpu_start": time.process_time(),
-                      "load": os.getloadavg()[0]})
+        marks.append(
+            {
+                "start": time.perf_counter(),
+                "cpu_start": time.process_time(),
+                "load": os.getloadavg()[0],
+            }
+        )
         out = original_generation(*a, **k)
         marks[-1]["generated"] = time.perf_counter()
         return out
@@ -123,38 +132,66 @@ def run(args: argparse.Namespace) -> dict:
     class StepEnd(TrainerCallback):
         def on_step_end(self, *_, **__):
             marks[-1]["end"], marks[-1]["cpu_end"] = time.perf_counter(), time.process_time()
-            print(f"iteration {len(marks) - 1}: {marks[-1]['end'] - marks[-1]['start']:.2f} s "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            print(
+                f"iteration {len(marks) - 1}: {marks[-1]['end'] - marks[-1]['start']:.2f} s "
+                f"(load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
 
     with tempfile.TemporaryDirectory() as out_dir:
         config = PPOConfig(
-            output_dir=out_dir, num_ppo_epochs=args.epochs, num_mini_batches=args.minibatches,
-            per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-            response_length=args.new_tokens, total_episodes=args.batch * args.iterations,
-            local_rollout_forward_batch_size=args.batch, num_sample_generations=0,
-            stop_token="eos", temperature=0.7, learning_rate=3e-6, kl_coef=0.05,
-            report_to="none", save_strategy="no", logging_steps=1, seed=0, use_cpu=args.cpu,
-            bf16=False, disable_tqdm=True,
+            output_dir=out_dir,
+            num_ppo_epochs=args.epochs,
+            num_mini_batches=args.minibatches,
+            per_device_train_batch_size=args.batch,
+            gradient_accumulation_steps=1,
+            response_length=args.new_tokens,
+            total_episodes=args.batch * args.iterations,
+            local_rollout_forward_batch_size=args.batch,
+            num_sample_generations=0,
+            stop_token="eos",
+            temperature=0.7,
+            learning_rate=3e-6,
+            kl_coef=0.05,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+            use_cpu=args.cpu,
+            bf16=False,
+            disable_tqdm=True,
         )
         trainer = PPOTrainer(
-            args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
-            value_model=value, train_dataset=dataset, callbacks=[StepEnd()],
+            args=config,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=ref,
+            reward_model=reward,
+            value_model=value,
+            train_dataset=dataset,
+            callbacks=[StepEnd()],
         )
         trainer.train()
 
-    rows = [{
-        "iteration_s": m["end"] - m["start"],
-        "iteration_cpu_s": m["cpu_end"] - m["cpu_start"],
-        "loadavg_1min": m["load"],
-        "generation_s": m["generated"] - m["start"],
-        "scoring_s": m["update"] - m["generated"],
-        "update_s": m["end"] - m["update"],
-    } for m in marks]
+    rows = [
+        {
+            "iteration_s": m["end"] - m["start"],
+            "iteration_cpu_s": m["cpu_end"] - m["cpu_start"],
+            "loadavg_1min": m["load"],
+            "generation_s": m["generated"] - m["start"],
+            "scoring_s": m["update"] - m["generated"],
+            "update_s": m["end"] - m["update"],
+        }
+        for m in marks
+    ]
     measured = rows[1:] or rows
     return {
         "config": {k: str(v) for k, v in vars(args).items()},
-        "versions": {"torch": torch.__version__, "trl": __import__("trl").__version__,
-                     "transformers": __import__("transformers").__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "trl": __import__("trl").__version__,
+            "transformers": __import__("transformers").__version__,
+        },
         "threads": torch.get_num_threads(),
         "mean": {k: statistics.fmean(r[k] for r in measured) for k in rows[0]},
         "peak_rss_mib": peak_rss_mib(),
@@ -164,7 +201,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--export", type=Path, help="(project venv) write SmolLM2 for transformers 4.53 here and exit")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        help="(project venv) write SmolLM2 for transformers 4.53 here and exit",
+    )
     parser.add_argument("--model", default="/tmp/smollm2-hf")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -180,7 +221,11 @@ def main() -> None:
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = run(args)
-    print(json.dumps(result["mean"], indent=2), f"peak RSS {result['peak_rss_mib']:.0f} MiB", file=sys.stderr)
+    print(
+        json.dumps(result["mean"], indent=2),
+        f"peak RSS {result['peak_rss_mib']:.0f} MiB",
+        file=sys.stderr,
+    )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 
