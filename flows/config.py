@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig, StrictModel
 from ppo_core.data_config import PreferencesConfig, PromptConfig, RewardModelConfig
+from ppo_core.distributed import DataParallel
 from ppo_core.eval_report import GateConfig
 from ppo_core.models import ModelSourceError, resolve_source
 from ppo_core.prompts import BUILTIN, builtin_path
@@ -71,6 +72,15 @@ class PPOStageConfig(StrictModel):
     """The PPO algorithm settings (ppo_core.PPOConfig)."""
     oom_halve_micro_batch: bool = True
     """On CUDA out-of-memory, retry the round with half the micro-batch (same effective batch)."""
+    processes: int = Field(1, ge=1, le=64)
+    """Data-parallel processes per round (torchrun; one per GPU, or gloo on CPU). Each rolls out
+    algo.batch_size / processes responses with its own seed; the update equals one process's on
+    the same samples (ppo_core.distributed). Rank 0 logs and checkpoints."""
+
+    @model_validator(mode="after")
+    def _batch_splits_over_processes(self) -> PPOStageConfig:
+        DataParallel(0, self.processes).check_batch(self.algo.batch_size, self.algo.mini_batch_size)
+        return self
 
 
 class EvaluationConfig(StrictModel):

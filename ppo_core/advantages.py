@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import masked_whiten
+from ppo_core.masked import Reduce, masked_whiten, no_reduce
 
 
 def gae(
@@ -43,6 +43,8 @@ def gae(
     return advantages, returns
 
 
-def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def whiten_advantages(
+    advantages: torch.Tensor, mask: torch.Tensor, reduce: Reduce = no_reduce
+) -> torch.Tensor:
     """Mean 0, std 1 over valid tokens of the whole batch (pads stay 0)."""
-    return masked_whiten(advantages, mask, shift_mean=True)
+    return masked_whiten(advantages, mask, shift_mean=True, reduce=reduce)

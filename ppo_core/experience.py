@@ -14,6 +14,7 @@ import torch
 from ppo_core.advantages import gae, whiten_advantages
 from ppo_core.config import PPOConfig
 from ppo_core.kl import kl_estimate
+from ppo_core.masked import Reduce, no_reduce
 from ppo_core.rewards import shape_scores, token_rewards
 from ppo_core.rollout import Rollout
 
@@ -85,17 +86,19 @@ def compute_advantages(
     ref_logprobs: torch.Tensor,
     values: torch.Tensor,
     beta: float,
+    reduce: Reduce = no_reduce,
 ) -> Experience:
-    """Score shaping -> per-token KL -> rewards -> GAE -> whitening (pure tensor math)."""
+    """Score shaping -> per-token KL -> rewards -> GAE -> whitening (pure tensor math).
+    `reduce` sums whitening statistics over data-parallel ranks (ppo_core.distributed)."""
     mask = rollout.response_mask
     maskf = mask.float()
     scores = shape_scores(raw_scores, rollout.ended, config.missing_eos_penalty, config.score_clip)
     kl = kl_estimate(old_logprobs, ref_logprobs, config.kl.estimator) * maskf
     reward_beta = beta if config.kl.in_reward else 0.0
-    rewards = token_rewards(scores, kl, mask, reward_beta, whiten=config.whiten_rewards)
+    rewards = token_rewards(scores, kl, mask, reward_beta, config.whiten_rewards, reduce)
     advantages, returns = gae(rewards, values * maskf, mask, config.gamma, config.lam)
     if config.whiten_advantages:
-        advantages = whiten_advantages(advantages, mask)
+        advantages = whiten_advantages(advantages, mask, reduce)
     return Experience(
         rollout=rollout,
         old_logprobs=old_logprobs * maskf,

@@ -6,6 +6,8 @@ helpers make sure a pad never enters a mean, a variance or a normalisation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -31,16 +33,36 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over data-parallel ranks (identity in one process): whitening statistics then
+cover the global batch."""
+
+
+def no_reduce(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    reduce: Reduce = no_reduce,
 ) -> torch.Tensor:
     """(x - mean) / std over valid entries; with shift_mean=False the mean is added back.
 
     Rewards are whitened without a mean shift (shifting would change which responses the
-    policy is pushed towards); advantages are fully whitened. Pads come out as 0.
+    policy is pushed towards); advantages are fully whitened. Pads come out as 0. The mean and
+    the (Bessel-corrected) variance are built from sums passed through `reduce`, so with
+    `DataParallel.sum` they are those of the whole batch across processes.
     """
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    m = mask.to(x.dtype)
+    total, n = reduce(torch.stack([(x * m).sum(), m.sum()])).unbind()
+    mean = total / n.clamp(min=1.0)
+    var = reduce(((x - mean) ** 2 * m).sum()) / n.clamp(min=1.0)
+    if n > 1:
+        var = var * n / (n - 1)
     white = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         white = white + mean
-    return white * mask.to(x.dtype)
+    return white * m

@@ -28,9 +28,24 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from ppo_core.experience import Experience
 from ppo_core.masked import masked_mean, masked_sum
+
+MICRO_STEP_KEYS = (
+    "loss/policy",
+    "loss/value",
+    "loss/total",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "policy/entropy",
+    "val/clipfrac",
+    "val/explained_variance",
+)
+"""What one micro-batch step reports: token-weighted shares, so summing them over micro-batches
+(and over data-parallel ranks) gives the minibatch's token mean."""
 
 
 class MetricAccumulator:
@@ -76,3 +91,21 @@ def rollout_metrics(
         "response/length_mean": mask.float().sum(1).mean().item(),
         "response/eos_rate": exp.rollout.ended.float().mean().item(),
     }
+
+
+def sample_table(exp: Experience | None, tokenizer: PreTrainedTokenizerBase, n: int = 8) -> list[dict[str, str | float]]:
+    """The first n responses of an iteration, decoded, with score and sequence KL, for people."""
+    if exp is None:
+        return []
+    rows = []
+    for i in range(min(n, exp.scores.shape[0])):
+        valid = exp.mask[i].bool()
+        query = exp.rollout.query_ids[i][exp.rollout.query_mask[i].bool()]
+        rows.append({
+            "prompt": tokenizer.decode(query, skip_special_tokens=True),
+            "response": tokenizer.decode(exp.rollout.response_ids[i][valid], skip_special_tokens=True),
+            "score": round(float(exp.scores[i]), 4),
+            "kl": round(float(exp.kl[i][valid].sum()), 4),
+            "ended": bool(exp.rollout.ended[i]),
+        })
+    return rows

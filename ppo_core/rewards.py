@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import masked_whiten
+from ppo_core.masked import Reduce, masked_whiten, no_reduce
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -40,6 +40,7 @@ def token_rewards(
     mask: torch.Tensor,
     beta: float,
     whiten: bool = False,
+    reduce: Reduce = no_reduce,
 ) -> torch.Tensor:
     """Rewards [batch, response_len]: -beta*KL_t everywhere valid, plus the score at the last token.
 
@@ -50,5 +51,5 @@ def token_rewards(
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype) * (maskf.sum(1) > 0)
     if whiten:
-        rewards = masked_whiten(rewards, mask, shift_mean=False)
+        rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=reduce)
     return rewards

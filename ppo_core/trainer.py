@@ -22,6 +22,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
+from ppo_core.distributed import DataParallel
 from ppo_core.experience import Experience, PromptSampler, ScoreFn, compute_advantages, in_chunks
 from ppo_core.kl import kl_penalty_per_token, make_kl_controller
 from ppo_core.logprobs import (
@@ -32,7 +33,7 @@ from ppo_core.logprobs import (
 )
 from ppo_core.losses import clipped_surrogate_loss, clipped_value_loss, explained_variance
 from ppo_core.masked import masked_mean, masked_sum
-from ppo_core.metrics import MetricAccumulator, rollout_metrics
+from ppo_core.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
 from ppo_core.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.rollout import Rollout, generate, left_pad
 from ppo_core.trainer_state import load_trainer_state, save_trainer_state
@@ -71,8 +72,11 @@ class PPOTrainer:
         prompts: Sequence[Sequence[int]],
         device: DeviceConfig | None = None,
         on_metrics: MetricsCallback | None = None,
+        parallel: DataParallel | None = None,
     ) -> None:
         self.config, self.sampling, self.tokenizer = config, sampling, tokenizer
+        self.dp = parallel or DataParallel()
+        self.dp.check_batch(config.batch_size, config.mini_batch_size)
         self.device_config = device or DeviceConfig()
         self.device = pick_device(self.device_config.device)
         torch.manual_seed(config.seed)
@@ -105,6 +109,8 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
         self.iteration = 0
         self.consecutive_skips = 0
+        self.dp.broadcast_parameters((self.policy, self.critic, self.shared_head))
+        self._seed_rank()
         self.last_experience: Experience | None = None
 
     # ---- set-up -----------------------------------------------------------------------
@@ -126,6 +132,11 @@ class PPOTrainer:
             torch.optim.AdamW(policy_params, lr=cfg.learning_rate, **kwargs),
             torch.optim.AdamW(self._value_params(), lr=critic_lr, **kwargs),
         ]
+
+    def _seed_rank(self) -> None:
+        """Each data-parallel rank samples with its own seed (one process keeps config.seed)."""
+        if self.dp.enabled:
+            torch.manual_seed(self.config.seed + 1_000_003 * self.dp.rank + self.iteration)
 
     def _lr_lambda(self, iteration: int) -> float:
         if self.config.lr_schedule == "constant":
@@ -156,7 +167,7 @@ class PPOTrainer:
         t3 = time.perf_counter()
         update = self._update(exp)
         t4 = time.perf_counter()
-        seq_kl = masked_sum(exp.kl, exp.mask, dim=1).mean().item()
+        seq_kl = self.dp.sum(masked_sum(exp.kl, exp.mask)).item() / self.config.batch_size
         beta = self.kl_ctl.value
         lr = self.optimizers[0].param_groups[0]["lr"]  # the LR this iteration's update used
         self.kl_ctl.update(seq_kl, self.config.batch_size)
@@ -179,13 +190,14 @@ class PPOTrainer:
                 "throughput/tokens_per_s": tokens * (1 + self.config.ppo_epochs) / max(t4 - t0, 1e-9),
             }
         )
+        metrics = self.dp.mean_floats(metrics)  # the update's are already global; rollouts' per rank
         if self.on_metrics is not None:
             self.on_metrics(self.iteration, metrics)
         return metrics
 
     @torch.no_grad()
     def _rollout(self) -> Rollout:
-        indices = self.sampler.batch(self.iteration)
+        indices = self.dp.local_slice(self.sampler.batch(self.iteration))
         query_ids, query_mask = left_pad([self.prompts[i] for i in indices], self.pad_id)
         with self._autocast():
             rollout = generate(
@@ -229,6 +241,7 @@ class PPOTrainer:
             torch.cat(ref) * mask,
             torch.cat(values).float() * mask,
             self.kl_ctl.value,
+            reduce=self.dp.sum,
         )
 
     def _policy_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> PolicyOutput:
@@ -266,8 +279,8 @@ class PPOTrainer:
         for _ in range(cfg.ppo_epochs):
             order = torch.randperm(cfg.batch_size, generator=self.shuffle_gen)
             stop = False
-            for mb_rows in order.split(cfg.mini_batch_size):
-                stats = self._minibatch_step(exp, mb_rows.to(exp.mask.device))
+            for mb_positions in order.split(cfg.mini_batch_size):
+                stats = self._minibatch_step(exp, self.dp.local_rows(mb_positions).to(exp.mask.device))
                 acc.add(stats)
                 if cfg.target_kl_early_stop is not None and stats["policy/approxkl"] > cfg.target_kl_early_stop:
                     stop = True
@@ -281,11 +294,13 @@ class PPOTrainer:
         return out
 
     def _minibatch_step(self, exp: Experience, rows: torch.Tensor) -> dict[str, float]:
-        n_tokens = float(exp.mask[rows].sum().clamp(min=1))
+        # the minibatch's token count over all ranks normalises the loss (see ppo_core.distributed)
+        n_tokens = float(self.dp.sum(exp.mask[rows].sum()).clamp(min=1))
         acc = MetricAccumulator()
         for chunk in rows.split(self.config.effective_micro_batch_size):
             acc.add(self._micro_step(exp.select(chunk), n_tokens))
-        stats = acc.sums()
+        stats = self.dp.sum_floats(dict.fromkeys(MICRO_STEP_KEYS, 0.0) | acc.sums())
+        self.dp.sync_gradients(p for opt in self.optimizers for p in opt.param_groups[0]["params"])
         norms = self._clip_gradients()
         finite = all(math.isfinite(v) for v in (*norms, stats["loss/total"]))
         if finite:
@@ -343,21 +358,7 @@ class PPOTrainer:
 
     def sample_table(self, n: int = 8) -> list[dict[str, str | float]]:
         """A few responses of the last iteration, decoded, with their score and KL, for people."""
-        exp = self.last_experience
-        if exp is None:
-            return []
-        decode = self.tokenizer.decode
-        rows = []
-        for i in range(min(n, exp.scores.shape[0])):
-            valid = exp.mask[i].bool()
-            rows.append({
-                "prompt": decode(exp.rollout.query_ids[i][exp.rollout.query_mask[i].bool()], skip_special_tokens=True),
-                "response": decode(exp.rollout.response_ids[i][valid], skip_special_tokens=True),
-                "score": round(float(exp.scores[i]), 4),
-                "kl": round(float(exp.kl[i][valid].sum()), 4),
-                "ended": bool(exp.rollout.ended[i]),
-            })
-        return rows
+        return sample_table(self.last_experience, self.tokenizer, n)
 
     # ---- the run and its checkpoints -------------------------------------------------
     def train(self, iterations: int, checkpoint_dir: str | Path | None = None, every: int = 1) -> list[dict]:
@@ -370,9 +371,14 @@ class PPOTrainer:
         return history
 
     def save(self, root: str | Path) -> Path:
-        """Atomically checkpoint everything a resumed run needs (see ppo_core.trainer_state)."""
-        return save_trainer_state(self, root)
+        """Atomically checkpoint everything a resumed run needs (see ppo_core.trainer_state);
+        with data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
+        path = save_trainer_state(self, root) if self.dp.is_main else Path(root) / f"iter-{self.iteration:06d}"
+        self.dp.barrier()
+        return path
 
     def load(self, root_or_folder: str | Path) -> bool:
         """Restore from a checkpoint folder or a root with `latest`; False when there is none."""
-        return load_trainer_state(self, root_or_folder)
+        loaded = load_trainer_state(self, root_or_folder)
+        self._seed_rank()  # the checkpoint holds rank 0's RNG; other ranks must not replay it
+        return loaded
