@@ -141,7 +141,9 @@ def deploy(
     config: Path,
     cron: str = typer.Option(..., help='Cron schedule, e.g. "0 3 * * *".'),
     name: str = typer.Option(None, help="Deployment name (default: the pipeline name)."),
-    work_pool: str = typer.Option(None, "--work-pool", help="Deploy to this work pool instead of serving here."),
+    work_pool: str = typer.Option(
+        None, "--work-pool", help='Deploy to this work pool instead of serving here (docker/compose.yaml\'s is "gpu").'
+    ),
     set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
 ) -> None:
     """Schedule the pipeline on a Prefect server (serve here, or deploy to a work pool)."""

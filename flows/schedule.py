@@ -15,6 +15,8 @@ from prefect.settings import PREFECT_API_URL
 from flows.config import PipelineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+GPU_WORK_POOL = "gpu"
+"""The work pool docker/compose.yaml creates and its worker serves (tests/test_docker.py checks)."""
 NEEDS_SERVER = (
     "scheduling needs a Prefect server, and PREFECT_API_URL is not set (only the ephemeral API is available, "
     "which lives as long as one command). Start one with `prefect server start` (or `docker compose -f "

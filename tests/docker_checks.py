@@ -1,0 +1,168 @@
+"""The compose/Dockerfile parsing helpers of tests/test_docker.py, shared with
+tests/test_servers.py: where docker/ lives, the compose files loaded as `docker compose config`
+would see them, the argv of each service command, and the installed CLIs' command parsers that
+resolve them.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+COMPOSE_CPU = DOCKER / "compose.cpu.yaml"
+ENV_EXAMPLE = DOCKER / ".env.example"
+DOCKERFILES = (DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda")
+SERVICES = {"postgres", "prefect-server", "minio", "mlflow", "init", "worker"}
+OUR_IMAGES = {"prefect-server", "mlflow", "init", "worker"}
+"""Services that run the project image: their commands must exist in the installed CLIs."""
+ONE_SHOT = {"init"}
+
+# `$$` (a literal dollar), ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $VAR.
+TOKEN = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_]\w*)")
+
+
+def variables(text: str) -> list[tuple[str, str, str]]:
+    """(name, operator, default) of every substitution in compose text; "" for $VAR."""
+    return [(m[1] or m[4], m[2] or "", m[3] or "") for m in TOKEN.finditer(text) if m[0] != "$$"]
+
+
+class Reset:
+    """Compose's `!reset` tag (an override file removing a key); PyYAML does not know it."""
+
+
+class ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: the value from `env`, else the `:-` default."""
+
+    def sub(match: re.Match[str]) -> str:
+        if match[0] == "$$":
+            return "$"
+        name, op, default = match[1] or match[4], match[2], match[3]
+        if name in env and (env[name] or op != ":-"):
+            return env[name]
+        if op in (":-", "-"):
+            return default
+        raise KeyError(f"${{{name}}} has no value and no default")
+
+    return TOKEN.sub(sub, text)
+
+
+def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The compose file as `docker compose config` would see it with `env` (default: none set)."""
+    return yaml.load(interpolate(path.read_text(), env or {}), Loader=ComposeLoader)
+
+
+def env_example() -> dict[str, str]:
+    out = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def command_lines(service: dict[str, Any]) -> list[list[str]]:
+    """The argv of each command a service runs: its `command`, or each line of an `sh -c`
+    script."""
+    command = service.get("command")
+    if command is None:
+        return []
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    if argv[0] == "sh" and argv[1].startswith("-") and "c" in argv[1]:
+        return [shlex.split(line) for line in argv[2].splitlines() if line.strip() and not line.startswith("#")]
+    return [argv]
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def option(argv: list[str], name: str) -> str:
+    """The value of `--name VALUE` or `--name=VALUE` in argv."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def healthcheck_code(service: dict[str, Any]) -> str | None:
+    test = service.get("healthcheck", {}).get("test") or []
+    if test[:3] == ["CMD", "python", "-c"]:
+        return test[3]
+    return None
+
+
+# --- command parsers of the installed CLIs: a wrong subcommand or option raises -----------
+
+
+def parse_prefect(args: list[str]) -> None:
+    from prefect.cli._app import _app  # the cyclopts app behind the `prefect` script
+
+    command, _, _ = _app.parse_args(args, exit_on_error=False, print_error=False)
+    # a group without its subcommand resolves to the group's help printer
+    assert command.__module__.startswith("prefect.cli"), f"prefect {shlex.join(args)}: not a command"
+
+
+def parse_click(group: Any, prog: str, args: list[str]) -> None:
+    """Walk a click group (mlflow's; typer's vendored click for rlhf) down to the command and
+    let it parse the rest; any usage error becomes an AssertionError naming the command."""
+    command, rest = group, list(args)
+    while hasattr(command, "list_commands"):  # a group
+        assert rest, f"{prog}: a subcommand is missing"
+        name, *rest = rest
+        sub = command.get_command(command.context_class(command), name)
+        assert sub is not None, f"{prog}: no subcommand {name!r}"
+        prog, command = f"{prog} {name}", sub
+    try:
+        command.make_context(prog, rest)  # parses and validates options, runs nothing
+    except Exception as err:
+        raise AssertionError(f"{prog} {shlex.join(rest)}: {type(err).__name__}: {err}") from err
+
+
+def parse_mlflow(args: list[str]) -> None:
+    from mlflow.cli import cli
+
+    parse_click(cli, "mlflow", args)
+
+
+def parse_rlhf(args: list[str]) -> None:
+    import typer
+
+    from flows.cli import app
+
+    parse_click(typer.main.get_command(app), "rlhf", args)
+
+
+def check_argv(argv: list[str]) -> None:
+    """Resolve argv against the CLI it names (prefect, mlflow, rlhf, python -c)."""
+    program, args = argv[0], argv[1:]
+    if program == "prefect":
+        parse_prefect(args)
+    elif program == "mlflow":
+        parse_mlflow(args)
+    elif program == "rlhf":
+        parse_rlhf(args)
+    elif program == "python" and args[:1] == ["-c"]:
+        ast.parse(args[1])
+    else:
+        raise AssertionError(f"{argv}: not a CLI of the project image")
