@@ -25,46 +25,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import functools
 import json
 import os
-import re
 import statistics
 import sys
-import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
 
 from ppo_core import CriticModel, DeviceConfig, PPOConfig, PPOTrainer, Rollout, SamplingConfig
 from ppo_core.logprobs import position_ids_from_mask
 from ppo_core.models import load_causal_lm, load_tokenizer
-from ppo_core.rollout import left_pad, truncate_after_stop
+from ppo_core.rollout import truncate_after_stop
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = [
-    "Write a short review of a restaurant.",
-    "Describe your ideal weekend in three sentences.",
-    "Explain why the sky is blue to a child.",
-    "Give me a tip for learning a new language.",
-    "Write a haiku about autumn leaves.",
-    "What makes a good cup of coffee?",
-    "Summarise the plot of a heist movie you invent.",
-    "Write a friendly reminder email about a team meeting.",
-    "Describe a walk along a beach at sunset.",
-    "Suggest a name for a bakery and explain it.",
-    "What should I pack for a weekend camping trip?",
-    "Write a two-line poem about the city at night.",
-    "Explain what a budget is and why it helps.",
-    "Describe the taste of a fresh strawberry.",
-    "Give three reasons to read more books.",
-    "Write a short thank-you note to a neighbour.",
-]
+sys.path.insert(0, str(REPO))  # run as a script: make `tests.` importable
+from tests.bench.bench_measure import Meter, PlainBaselines, install_profile  # noqa: E402
+
+PROMPTS = json.loads((Path(__file__).with_name("prompts.json")).read_text())
+"""The 16 prompts both benchmark scripts use (one file, so the two always match)."""
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -123,197 +105,6 @@ class LastTokenScorer(nn.Module):
         return self.model.head(picked.to(self.model.head.weight.dtype)).squeeze(-1).float()
 
 
-# ---- measuring ------------------------------------------------------------------------
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as handle:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", handle.read()).group(1)) * 1024
-
-
-def _reset_cpu_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
-class Meter:
-    """Wall time (device-synchronised) and peak memory of named phases."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.rows: list[dict[str, dict[str, float]]] = []
-        self.peak_resettable = device.type == "cuda" or _reset_cpu_peak()
-        self.current: str | None = None
-
-    def new_iteration(self) -> None:
-        self.rows.append(
-            defaultdict(lambda: {"s": 0.0, "cpu_s": 0.0, "peak_mib": 0.0, "delta_mib": 0.0})
-        )
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """A top-level phase: time and peak memory; nested `part`s break its time down."""
-        self.sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            start_mem = torch.cuda.memory_allocated(self.device)
-        else:
-            _reset_cpu_peak()
-            start_mem = _vm_hwm_bytes()
-        outer, self.current = self.current, name
-        t0, c0 = time.perf_counter(), time.process_time()
-        try:
-            yield
-        finally:
-            self.sync()
-            elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-            self.current = outer
-            peak = (
-                torch.cuda.max_memory_allocated(self.device)
-                if self.device.type == "cuda"
-                else _vm_hwm_bytes()
-            )
-            row = self.rows[-1][name]
-            row["s"] += elapsed
-            row["cpu_s"] += cpu
-            row["peak_mib"] = max(row["peak_mib"], peak / 2**20)
-            row["delta_mib"] = max(row["delta_mib"], (peak - start_mem) / 2**20)
-
-    @contextlib.contextmanager
-    def part(self, name: str):
-        """Time only, booked as "<enclosing phase>/<name>" (with --profile)."""
-        if self.current is None:
-            yield
-            return
-        self.sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sync()
-            self.rows[-1][f"{self.current}/{name}"]["s"] += time.perf_counter() - t0
-
-    def wrap(self, name: str, fn: Callable, part: bool = False) -> Callable:
-        """`fn` timed as a phase (or a part); functools.wraps keeps its signature visible,
-        which transformers inspects on `forward`."""
-        measure = self.part if part else self.phase
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            with measure(name):
-                return fn(*args, **kwargs)
-
-        return timed
-
-
-class PlainBaselines:
-    """The two reference measurements: plain sampling, and plain training steps on copies."""
-
-    def __init__(self, trainer: PPOTrainer, meter: Meter) -> None:
-        self.trainer, self.meter = trainer, meter
-        cfg, device = trainer.config, trainer.device
-        self.policy = copy.deepcopy(trainer.policy)
-        self.critic = copy.deepcopy(trainer.critic) if trainer.critic is not None else None
-        impl = {k: trainer.optimizers[0].defaults.get(k) for k in ("fused", "foreach")}
-        kwargs = {
-            "lr": cfg.learning_rate,
-            "eps": cfg.adam_eps,
-            "weight_decay": cfg.weight_decay,
-            **impl,
-        }
-        self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
-        if self.critic is not None:
-            self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
-        s = trainer.sampling
-        self.gen_config = GenerationConfig(
-            do_sample=True,
-            max_new_tokens=s.max_new_tokens,
-            min_new_tokens=s.min_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            use_cache=True,
-            eos_token_id=list(trainer.stop_ids),
-            pad_token_id=trainer.pad_id,
-        )
-        self.cuda_devices = [device] if device.type == "cuda" else []
-
-    def generate(self) -> torch.Tensor:
-        """model.generate on the batch the next trainer.step will sample, from the same RNG
-        state (fork_rng restores it, so the trainer then draws exactly these tokens)."""
-        t = self.trainer
-        indices = t.sampler.batch(t.iteration)
-        ids, mask = left_pad([t.prompts[i] for i in indices], t.pad_id)
-        ids, mask = ids.to(t.device), mask.to(t.device)
-        rng = torch.random.fork_rng(devices=self.cuda_devices)
-        with rng, torch.no_grad(), t._autocast(), self.meter.phase("plain_generate"):
-            out = t.policy.generate(
-                input_ids=ids, attention_mask=mask, generation_config=self.gen_config
-            )
-        return out[:, ids.shape[1] :]
-
-    def train_step(self, rollout: Rollout) -> None:
-        """One causal-LM step of the policy and one value-regression step of the critic over
-        the rollout's (trimmed) token rectangle."""
-        ids, am, n = rollout.input_ids, rollout.attention_mask, rollout.response_len
-        labels = ids.masked_fill(am == 0, -100)
-        with self.meter.phase("plain_train_step"):
-            with self.trainer._autocast():
-                loss = self.policy(
-                    input_ids=ids,
-                    attention_mask=am,
-                    position_ids=position_ids_from_mask(am),
-                    labels=labels,
-                    use_cache=False,
-                ).loss
-                if self.critic is not None:
-                    loss = loss + self.critic(ids, am, n).float().pow(2).mean()
-            loss.backward()
-            for opt in self.optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-
-def install_profile(
-    meter: Meter, trainer: PPOTrainer, scorer: LastTokenScorer, plain: PlainBaselines
-) -> None:
-    """--profile: book forwards, backward, optimizer, log-softmax and entropy time inside each
-    phase, so the update splits into forward / backward / optimizer (and the plain step too)."""
-    import ppo_core.logprobs
-    import ppo_core.rollout
-    import ppo_core.trainer
-
-    forwards = [
-        (trainer.policy, "policy_forward"),
-        (trainer.ref_model, "ref_forward"),
-        (trainer.critic, "critic_forward"),
-        (scorer.model.backbone, "reward_forward"),
-        (plain.policy, "policy_forward"),
-        (plain.critic, "critic_forward"),
-    ]
-    for module, name in forwards:
-        if module is not None:
-            module.forward = meter.wrap(name, module.forward, part=True)
-    for opt in [*trainer.optimizers, *plain.optimizers]:
-        opt.step = meter.wrap("optimizer", opt.step, part=True)
-    trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
-    torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)
-    for module in (ppo_core.rollout, ppo_core.logprobs, ppo_core.trainer):
-        module.selective_log_softmax = meter.wrap(
-            "log_softmax", module.selective_log_softmax, part=True
-        )
-    ppo_core.trainer.chunked_entropy = meter.wrap(
-        "entropy", ppo_core.trainer.chunked_entropy, part=True
-    )
-
-
-# ---- the run --------------------------------------------------------------------------
 def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
     policy, tokenizer, prompts = load_policy(args.model)
     ref = copy.deepcopy(policy)

@@ -30,24 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = [
-    "Write a short review of a restaurant.",
-    "Describe your ideal weekend in three sentences.",
-    "Explain why the sky is blue to a child.",
-    "Give me a tip for learning a new language.",
-    "Write a haiku about autumn leaves.",
-    "What makes a good cup of coffee?",
-    "Summarise the plot of a heist movie you invent.",
-    "Write a friendly reminder email about a team meeting.",
-    "Describe a walk along a beach at sunset.",
-    "Suggest a name for a bakery and explain it.",
-    "What should I pack for a weekend camping trip?",
-    "Write a two-line poem about the city at night.",
-    "Explain what a budget is and why it helps.",
-    "Describe the taste of a fresh strawberry.",
-    "Give three reasons to read more books.",
-    "Write a short thank-you note to a neighbour.",
-]
+PROMPTS = json.loads((Path(__file__).with_name("prompts.json")).read_text())
+"""The 16 prompts both benchmark scripts use (one file, so the two always match)."""
 
 
 def export(folder: Path) -> None:
