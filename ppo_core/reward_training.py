@@ -175,7 +175,7 @@ def train_reward_model(
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     rm = RewardModel.from_pretrained(
-        cfg.backbone, pick_device(cfg.device), cfg.trust_remote_code, max_length=cfg.max_length
+        cfg.backbone, pick_device(cfg.device), cfg.trust_remote_code, cfg.max_length, cfg.pooling
     )
     rm.model.train()
     optimizer = torch.optim.AdamW(

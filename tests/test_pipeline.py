@@ -35,7 +35,6 @@ def test_rerun_recomputes_nothing(first_run: Run, second_run: Run) -> None:
     assert set(second_run.stages.values()) == {"Cached"}, second_run.stages
     assert second_run.result["policy_sha256"] == first_run.result["policy_sha256"]
     assert second_run.result["policy_path"] == first_run.result["policy_path"]
-    assert second_run.seconds < 0.5 * first_run.seconds, (second_run.seconds, first_run.seconds)
     # Nothing was written for a new stage run either.
     assert second_run.notes["stage_folders"] == first_run.notes["stage_folders"]
 

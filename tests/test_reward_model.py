@@ -170,6 +170,23 @@ def test_causal_rm_reads_the_last_real_token_whatever_the_batch(tmp_path: Path) 
     assert alone.item() == pytest.approx(scalar_head(rm.model)(hidden).item(), abs=1e-5)
 
 
+def test_mean_pooling_averages_real_tokens_and_survives_save_and_load(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    rm = RewardModel.from_pretrained(bert_rm_dir(tmp_path), pooling="mean")
+    alone = rm.score(["w20"], ["w1"], normalised=False)
+    batched = rm.score(["w20", "w21 w22 w23 w24 w25 w26"], ["w1", "w2 w3 w4"], normalised=False)
+    assert batched[0].item() == pytest.approx(alone.item(), abs=1e-5)  # pads never averaged
+    ids = rm.encode(["w20"], ["w1"])
+    hidden = rm.model.bert(**ids).last_hidden_state[0]
+    assert alone.item() == pytest.approx(rm.head(hidden.mean(0)).item(), abs=1e-5)
+    cls_score = RewardModel(rm.model, rm.tokenizer, pooling="model").score(["w20"], ["w1"])
+    assert abs(cls_score.item() - alone.item()) > 1e-4  # really a different read-out
+    rm.save_pretrained(tmp_path / "saved")
+    again = RewardModel.from_pretrained(tmp_path / "saved")
+    assert again.pooling == "mean"
+    assert again.score(["w20"], ["w1"], normalised=False).item() == pytest.approx(alone.item(), abs=1e-6)
+
+
 def test_head_init_and_dropout_off(tmp_path: Path) -> None:
     torch.manual_seed(0)
     rm = RewardModel.from_pretrained(llama_rm_dir(tmp_path, hidden=256))

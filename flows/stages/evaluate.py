@@ -113,6 +113,8 @@ def evaluate(
             if champion and final.registered_name and final.version:
                 set_alias(tracking.uri, final.registered_name, final.version, "champion")
         result.seconds = time.perf_counter() - start
+        if run_id is not None:
+            mlflow.log_metric("seconds", result.seconds)  # the stage's wall time (its MLflow run opens late)
     create_markdown_artifact(markdown=markdown, key=f"{tracking.pipeline}-evaluation", description="RLHF evaluation")
     log.info("evaluation: %s; champion=%s %s (%.1fs)", result.headline, champion, result.gate_reasons, result.seconds)
     return result
