@@ -86,8 +86,10 @@ class DataParallel:
         if not self.enabled:
             return tensor
         out = tensor.detach().clone()
+        if dist.get_backend() == "nccl" and out.device.type != "cuda":
+            out = out.cuda()  # NCCL reduces GPU tensors only (metric dicts are built on the CPU)
         dist.all_reduce(out)
-        return out
+        return out.to(tensor.device)
 
     def sum_floats(self, stats: dict[str, float]) -> dict[str, float]:
         """Sum each value over ranks; every rank must pass the same keys."""
