@@ -23,16 +23,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / total.clamp(min=1.0)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over valid entries (Bessel-corrected by default, as the reference implementations)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    n = mask.to(x.dtype).sum()
-    if unbiased and n > 1:
-        var = var * n / (n - 1)
-    return var
-
-
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 """Sums a tensor over data-parallel ranks (identity in one process): whitening statistics then
 cover the global batch."""
@@ -40,6 +30,25 @@ cover the global batch."""
 
 def no_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def masked_moments(
+    x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True, reduce: Reduce = no_reduce
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and variance over valid entries (Bessel-corrected by default, as the reference
+    implementations), built from sums passed through `reduce`: with `DataParallel.sum` they
+    are those of the whole batch across processes."""
+    m = mask.to(x.dtype)
+    total, n = reduce(torch.stack([(x * m).sum(), m.sum()])).unbind()
+    mean = total / n.clamp(min=1.0)
+    var = reduce(((x - mean) ** 2 * m).sum()) / n.clamp(min=1.0)
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return mean, var
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    return masked_moments(x, mask, unbiased)[1]
 
 
 def masked_whiten(
@@ -52,17 +61,11 @@ def masked_whiten(
     """(x - mean) / std over valid entries; with shift_mean=False the mean is added back.
 
     Rewards are whitened without a mean shift (shifting would change which responses the
-    policy is pushed towards); advantages are fully whitened. Pads come out as 0. The mean and
-    the (Bessel-corrected) variance are built from sums passed through `reduce`, so with
-    `DataParallel.sum` they are those of the whole batch across processes.
+    policy is pushed towards); advantages are fully whitened. Pads come out as 0. `reduce`: see
+    masked_moments.
     """
-    m = mask.to(x.dtype)
-    total, n = reduce(torch.stack([(x * m).sum(), m.sum()])).unbind()
-    mean = total / n.clamp(min=1.0)
-    var = reduce(((x - mean) ** 2 * m).sum()) / n.clamp(min=1.0)
-    if n > 1:
-        var = var * n / (n - 1)
+    mean, var = masked_moments(x, mask, reduce=reduce)
     white = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         white = white + mean
-    return white * m
+    return white * mask.to(x.dtype)
