@@ -36,7 +36,7 @@ from ppo_core.masked import masked_mean, masked_sum
 from ppo_core.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
 from ppo_core.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.rollout import Rollout, generate, left_pad
-from ppo_core.trainer_state import load_trainer_state, save_trainer_state
+from ppo_core.trainer_state import checkpoint_name, load_trainer_state, save_trainer_state
 from ppo_core.value import CriticModel, SharedValueHead
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -373,7 +373,7 @@ class PPOTrainer:
     def save(self, root: str | Path) -> Path:
         """Atomically checkpoint everything a resumed run needs (see ppo_core.trainer_state);
         with data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
-        path = save_trainer_state(self, root) if self.dp.is_main else Path(root) / f"iter-{self.iteration:06d}"
+        path = save_trainer_state(self, root) if self.dp.is_main else Path(root) / checkpoint_name(self.iteration)
         self.dp.barrier()
         return path
 

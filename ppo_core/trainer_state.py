@@ -33,8 +33,12 @@ def _value_module(trainer: PPOTrainer) -> torch.nn.Module:
     return trainer.critic if trainer.critic is not None else trainer.shared_head
 
 
+def checkpoint_name(iteration: int) -> str:
+    return f"iter-{iteration:06d}"
+
+
 def save_trainer_state(trainer: PPOTrainer, root: str | Path) -> Path:
-    name = f"iter-{trainer.iteration:06d}"
+    name = checkpoint_name(trainer.iteration)
     with atomic_checkpoint(root, name) as tmp:
         save_module(trainer.policy, tmp / "policy.safetensors")
         save_module(_value_module(trainer), tmp / "value.safetensors")
