@@ -55,6 +55,11 @@ class RoundJob(BaseModel):
     def state_dir(self) -> Path:
         return Path(self.folder) / "state"
 
+    @property
+    def last_iteration(self) -> int:
+        """The trainer's iteration counter when the round is done (rounds never stop early)."""
+        return self.round_number * self.settings["ppo"]["iterations_per_round"]
+
 
 class RoundOutput(BaseModel):
     iteration: int
@@ -103,8 +108,8 @@ def build_trainer(
 
 def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
     ppo = job.settings["ppo"]
-    per_round, every = ppo["iterations_per_round"], ppo["checkpoint_every"]
-    start, target = (job.round_number - 1) * per_round, job.round_number * per_round
+    every, target = ppo["checkpoint_every"], job.last_iteration
+    start = target - ppo["iterations_per_round"]
     if trainer.iteration < start:
         raise RuntimeError(f"round {job.round_number}: trainer at iteration {trainer.iteration}, expected {start}")
     progress = tqdm(
@@ -177,9 +182,8 @@ def train_round_in_processes(job: RoundJob, processes: int) -> RoundOutput:
             f"code {done.returncode}; its output is above, its checkpoints in {job.state_dir}"
         )
     folder = Path(job.folder)
-    iteration = int(json.loads((latest_checkpoint(job.state_dir) / "trainer.json").read_text())["iteration"])
     return RoundOutput(
-        iteration=iteration,
+        iteration=job.last_iteration,
         history=json.loads((folder / "history.json").read_text()),
         samples=json.loads((folder / "samples.json").read_text()),
     )
