@@ -13,11 +13,10 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from transformers import GenerationConfig
 
 from ppo_core import PPOTrainer, Rollout
 from ppo_core.logprobs import position_ids_from_mask
-from ppo_core.rollout import left_pad
+from ppo_core.rollout import generation_config, left_pad
 
 
 # ---- measuring ------------------------------------------------------------------------
@@ -127,18 +126,8 @@ class PlainBaselines:
         self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
         if self.critic is not None:
             self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
-        s = trainer.sampling
-        self.gen_config = GenerationConfig(
-            do_sample=True,
-            max_new_tokens=s.max_new_tokens,
-            min_new_tokens=s.min_new_tokens,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            use_cache=True,
-            eos_token_id=list(trainer.stop_ids),
-            pad_token_id=trainer.pad_id,
-        )
+        # the trainer's own config (no model defaults), so both draw the same tokens
+        self.gen_config = generation_config(trainer.sampling, trainer.stop_ids, trainer.pad_id)
         self.cuda_devices = [device] if device.type == "cuda" else []
 
     def generate(self) -> torch.Tensor:
@@ -153,7 +142,7 @@ class PlainBaselines:
             out = t.policy.generate(
                 input_ids=ids, attention_mask=mask, generation_config=self.gen_config
             )
-        return out[:, ids.shape[1] :]
+        return out.sequences[:, ids.shape[1] :]
 
     def train_step(self, rollout: Rollout) -> None:
         """One causal-LM step of the policy and one value-regression step of the critic over
