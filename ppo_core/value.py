@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ppo_core.logprobs import position_ids_from_mask
+from ppo_core.prefix import forward_sharing_prefix
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -70,13 +70,10 @@ class CriticModel(nn.Module):
         backbone.to(next(model.parameters()).dtype)
         return cls(backbone)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
-        out = self.backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, share_prefix: bool = True
+    ) -> torch.Tensor:
+        out = forward_sharing_prefix(self.backbone, input_ids, attention_mask, response_len + 1, share_prefix)
         return _response_values(out.last_hidden_state, self.head, response_len)
 
     def save_pretrained(self, directory: str | Path) -> None:
