@@ -117,10 +117,11 @@ class PPOConfig(StrictModel):
     logprobs_from_generation: bool = True
     """Take the old policy log-probs from the generation logits instead of a second forward.
     Exact in fp32; set False under bf16, where cached and full forwards differ slightly."""
-    share_prompt_prefix: bool = True
-    """Run the prompt prefix every row of a batch starts with (a chat template's system prompt)
-    once per forward instead of once per row, in scoring and in every update epoch. Same math
-    (see ppo_core.prefix); off is the plain forward."""
+    pack_sequences: bool = True
+    """Scoring and update forwards run on packed rows: no pad tokens, and the prompt prefix all
+    rows share (a chat template's system prompt) once per packed row instead of once per row.
+    Same math (ppo_core.packing); off, or a model packing cannot serve exactly, is the plain
+    forward over the padded batch."""
     seed: int = 0
     """Seed for sampling, shuffling and initialisation."""
 

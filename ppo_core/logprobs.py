@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ppo_core.losses import entropy_from_logits
-from ppo_core.prefix import forward_sharing_prefix, position_ids_from_mask
+from ppo_core.packing import position_ids_from_mask, response_states
 
 __all__ = ["position_ids_from_mask", "response_logits", "response_logprobs", "selective_log_softmax"]
 
@@ -46,18 +46,15 @@ def response_logits(
     attention_mask: torch.Tensor,
     response_len: int,
     temperature: float = 1.0,
-    share_prefix: bool = True,
+    packed: bool = True,
 ) -> torch.Tensor:
     """Logits predicting each response token, [batch, response_len, vocab], already / temperature.
 
-    Only the last response_len + 1 positions go through the LM head (`logits_to_keep`): the
-    prompt's next-token logits are never needed, and on a 49k vocabulary they are a large
-    share of the forward's FLOPs. A prompt prefix all rows share is computed once
-    (ppo_core.prefix).
+    Only the last response_len + 1 positions go through the LM head; with `packed` the rows
+    run without pads and with their shared prompt prefix once (ppo_core.packing).
     """
-    keep = response_len + 1
-    out = forward_sharing_prefix(model, input_ids, attention_mask, keep, share_prefix, logits_to_keep=keep)
-    logits = out.logits[:, :-1, :]
+    logits, _ = response_states(model, input_ids, attention_mask, response_len + 1, True, packed)
+    logits = logits[:, :-1, :]
     if temperature != 1.0:
         logits = logits / temperature
     return logits
@@ -70,11 +67,11 @@ def response_logprobs(
     response_len: int,
     temperature: float = 1.0,
     chunk_size: int = 4096,
-    share_prefix: bool = True,
+    packed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last response_len columns of input_ids), and the
     temperature-scaled logits they came from (for the entropy, which the caller may need with
     or without a gradient)."""
-    logits = response_logits(model, input_ids, attention_mask, response_len, temperature, share_prefix)
+    logits = response_logits(model, input_ids, attention_mask, response_len, temperature, packed)
     tokens = input_ids[:, -response_len:]
     return selective_log_softmax(logits, tokens, chunk_size), logits

@@ -30,7 +30,7 @@ from ppo_core.losses import clipped_surrogate_loss, clipped_value_loss, explaine
 from ppo_core.masked import masked_mean, masked_sum
 from ppo_core.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
 from ppo_core.models import disable_dropout, pick_device, stop_token_ids
-from ppo_core.prefix import forward_sharing_prefix
+from ppo_core.packing import response_states
 from ppo_core.rollout import Rollout, generate, left_pad
 from ppo_core.trainer_state import checkpoint_name, load_trainer_state, save_trainer_state
 from ppo_core.value import CriticModel, SharedValueHead
@@ -214,7 +214,7 @@ class PPOTrainer:
         cfg, temp = self.config, self.sampling.temperature
         old, ref, values = [], [], []
         ref_model, ref_ctx = self._reference()
-        share = cfg.share_prompt_prefix
+        packed = cfg.pack_sequences
         for rows in in_chunks(rollout.query_ids.shape[0], cfg.effective_micro_batch_size):
             part = rollout.select(rows)
             ids, am, n = part.input_ids, part.attention_mask, part.response_len
@@ -227,7 +227,7 @@ class PPOTrainer:
                 else:
                     old.append(part.logprobs)
                 with ref_ctx():
-                    ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, share)[0])
+                    ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
                 values.append(self._values(ids, am, n, hidden))
         mask = rollout.response_mask.float()
         return compute_advantages(
@@ -247,19 +247,17 @@ class PPOTrainer:
         cfg = self.config
         if self.shared_head is None:
             logprobs, logits = response_logprobs(
-                self.policy, ids, am, n, self.sampling.temperature, cfg.logprob_chunk_size, cfg.share_prompt_prefix
+                self.policy, ids, am, n, self.sampling.temperature, cfg.logprob_chunk_size, cfg.pack_sequences
             )
             return PolicyOutput(logprobs, logits, None)
-        out = forward_sharing_prefix(
-            self.policy, ids, am, n + 1, cfg.share_prompt_prefix, logits_to_keep=n + 1, output_hidden_states=True
-        )
-        logits = out.logits[:, :-1, :] / self.sampling.temperature
+        logits, hidden = response_states(self.policy, ids, am, n + 1, True, cfg.pack_sequences)
+        logits = logits[:, :-1, :] / self.sampling.temperature
         logprobs = selective_log_softmax(logits, ids[:, -n:], self.config.logprob_chunk_size)
-        return PolicyOutput(logprobs, logits, out.hidden_states[-1])
+        return PolicyOutput(logprobs, logits, hidden)
 
     def _values(self, ids: torch.Tensor, am: torch.Tensor, n: int, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.critic is not None:
-            return self.critic(ids, am, n, self.config.share_prompt_prefix)
+            return self.critic(ids, am, n, self.config.pack_sequences)
         if hidden is None:
             hidden = self._policy_forward(ids, am, n).hidden
         return self.shared_head(hidden, n)

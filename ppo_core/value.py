@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ppo_core.prefix import forward_sharing_prefix
+from ppo_core.packing import response_states
 
 HEAD_FILE = "value_head.safetensors"
 
@@ -71,10 +71,10 @@ class CriticModel(nn.Module):
         return cls(backbone)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, share_prefix: bool = True
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int, packed: bool = True
     ) -> torch.Tensor:
-        out = forward_sharing_prefix(self.backbone, input_ids, attention_mask, response_len + 1, share_prefix)
-        return _response_values(out.last_hidden_state, self.head, response_len)
+        _, hidden = response_states(self.backbone, input_ids, attention_mask, response_len + 1, False, packed)
+        return _response_values(hidden, self.head, response_len)
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)

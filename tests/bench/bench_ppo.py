@@ -116,6 +116,7 @@ def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
         learning_rate=3e-6,
         total_iterations=args.iterations,
         critic=args.critic,
+        pack_sequences=not args.no_packing,
         seed=0,
     )
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0)
@@ -292,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minibatches", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3, help="the first is a warm-up")
     parser.add_argument("--critic", choices=["separate", "shared"], default="separate")
+    parser.add_argument(
+        "--no-packing", action="store_true", help="plain forwards over the padded batch"
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
