@@ -143,12 +143,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     trainer, scorer = build(args)
     meter = Meter(trainer.device)
-    plain = PlainBaselines(trainer, meter)
+    plain = None if args.no_ratios else PlainBaselines(trainer, meter)
     if (
         args.adamw != "trainer"
     ):  # experiment: another AdamW kernel, in the trainer and the plain step
         for group in (
-            g for opt in [*trainer.optimizers, *plain.optimizers] for g in opt.param_groups
+            g
+            for opt in [*trainer.optimizers, *(plain.optimizers if plain else [])]
+            for g in opt.param_groups
         ):
             group.update(fused=args.adamw == "fused", foreach=False)
     trainer._rollout = meter.wrap("generation", trainer._rollout)
@@ -156,18 +158,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scorer.forward = meter.wrap("scoring", scorer_forward)
     trainer._experience = meter.wrap("scoring", trainer._experience)
     trainer._update = meter.wrap("update", trainer._update)
-    if args.profile:
+    if args.profile and plain is not None:
         install_profile(meter, trainer, scorer, plain)
     iterations = []
     for it in range(args.iterations):
         meter.new_iteration()
         load = os.getloadavg()[0]
-        plain_response = plain.generate()
+        plain_response = plain.generate() if plain else None
         with meter.phase("iteration"):
             metrics = trainer.step()
         rollout = scorer.last_rollout
-        plain.train_step(rollout)
-        same = _same_samples(rollout, plain_response, trainer)
+        same = None
+        if plain is not None:
+            plain.train_step(rollout)
+            same = _same_samples(rollout, plain_response, trainer)
         row = {k: dict(v) for k, v in meter.rows[-1].items()}
         counts = {
             "generated_tokens": int(rollout.response_mask.sum()),
@@ -216,10 +220,11 @@ def summarise(
             "peak_mib": max(it["phases"][name]["peak_mib"] for it in measured),
             "delta_mib": max(it["phases"][name]["delta_mib"] for it in measured),
         }
-    gen_ratio = mean(
+    ratios = not args.no_ratios
+    gen_ratio = ratios and mean(
         lambda it: it["phases"]["generation"]["s"] / it["phases"]["plain_generate"]["s"]
     )
-    update_ratio = mean(
+    update_ratio = ratios and mean(
         lambda it: (
             it["phases"]["update"]["s"] / (args.epochs * it["phases"]["plain_train_step"]["s"])
         )
@@ -234,10 +239,10 @@ def summarise(
         "iteration_cpu_s": mean(lambda it: it["phases"]["iteration"]["cpu_s"]),
         "loadavg_1min": mean(lambda it: it["counts"]["loadavg_1min"]),
         "phases": phases,
-        "plain_generate_s": mean(lambda it: it["phases"]["plain_generate"]["s"]),
-        "plain_train_step_s": mean(lambda it: it["phases"]["plain_train_step"]["s"]),
-        "ratio_generation_vs_plain_generate": gen_ratio,
-        "ratio_update_vs_plain_steps": update_ratio,
+        "plain_generate_s": ratios and mean(lambda it: it["phases"]["plain_generate"]["s"]),
+        "plain_train_step_s": ratios and mean(lambda it: it["phases"]["plain_train_step"]["s"]),
+        "ratio_generation_vs_plain_generate": gen_ratio or None,
+        "ratio_update_vs_plain_steps": update_ratio or None,
         "profile_s": {
             name: mean(lambda it, n=name: it["phases"].get(n, {"s": 0.0})["s"])
             for name in sorted({k for it in measured for k in it["phases"] if "/" in k})
@@ -268,6 +273,9 @@ def report(result: dict[str, Any]) -> None:
         f"{'iteration':<12}{result['iteration_s']:>10.3f}{result['iteration_cpu_s']:>10.3f}"
         f"   (mean 1-min load average {result['loadavg_1min']:.2f})"
     )
+    if result["ratio_generation_vs_plain_generate"] is None:
+        print("ratios (a) and (b) not measured (--no-ratios)")
+        return
     print(
         f"(a) generation / plain generate   = {result['ratio_generation_vs_plain_generate']:.3f}"
         f"   (plain {result['plain_generate_s']:.3f} s; target <= 1.15)"
@@ -295,6 +303,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--critic", choices=["separate", "shared"], default="separate")
     parser.add_argument(
         "--no-packing", action="store_true", help="plain forwards over the padded batch"
+    )
+    parser.add_argument(
+        "--no-ratios",
+        action="store_true",
+        help="no plain baselines: the process holds only what a training run holds (peer timing)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
