@@ -39,11 +39,36 @@ def atomic_checkpoint(root: str | Path, name: str, keep_last: int | None = 2) ->
         _write_pointer(root, name)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+    except Exception as err:
+        written = _folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(root, name, written, err)) from err
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
         _prune(root, keep_last, keep=name)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the previous one is still complete and `latest`."""
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _write_failure(root: Path, name: str, written: int, err: Exception) -> str:
+    """Why a write failed, in terms a user can act on: a full disk shows up from torch.save as
+    'unexpected pos ...' or 'iostream error', so the free space is always stated."""
+    free = shutil.disk_usage(root).free
+    previous = (root / LATEST).read_text().strip() if (root / LATEST).exists() else None
+    kept = f"the last complete checkpoint ({previous}) is intact" if previous else "no earlier checkpoint exists"
+    return (
+        f"could not write checkpoint {name} in {root}: {type(err).__name__}: {err}. "
+        f"{free / 2**30:.2f} GiB free on that disk ({written / 2**30:.2f} GiB of this checkpoint "
+        f"were written before the failure); {kept}. Free space and rerun to resume."
+    )
 
 
 def _write_pointer(root: Path, name: str) -> None:

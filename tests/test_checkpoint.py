@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import ppo_core.trainer_state
-from ppo_core.checkpoint import LATEST, atomic_checkpoint, latest_checkpoint
+from ppo_core.checkpoint import LATEST, CheckpointWriteError, atomic_checkpoint, latest_checkpoint
 from tests.resume_worker import TOTAL_ITERATIONS, make_resume_trainer, policy_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,8 +86,13 @@ def test_exception_inside_atomic_checkpoint_leaves_no_folder_and_latest_unchange
         (folder / "weights.bin").write_bytes(b"good")
     assert latest_checkpoint(tmp_path) == tmp_path / "iter-000001"
 
+    # torch.save reports a full disk as "unexpected pos ..."; the error says what happened
+    expected = (
+        r"could not write checkpoint iter-000002 in .*RuntimeError: disk full\. [0-9.]+ GiB free "
+        r"on that disk .*; the last complete checkpoint \(iter-000001\) is intact"
+    )
     with (
-        pytest.raises(RuntimeError, match="disk full"),
+        pytest.raises(CheckpointWriteError, match=expected),
         atomic_checkpoint(tmp_path, "iter-000002") as folder,
     ):
         (folder / "weights.bin").write_bytes(b"half")
