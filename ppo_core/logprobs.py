@@ -53,7 +53,7 @@ def response_logits(
     Only the last response_len + 1 positions go through the LM head; with `packed` the rows
     run without pads and with their shared prompt prefix once (ppo_core.packing).
     """
-    logits, _ = response_states(model, input_ids, attention_mask, response_len + 1, True, packed)
+    logits, _ = response_states(model, input_ids, attention_mask, response_len + 1, True, packed, hidden=False)
     logits = logits[:, :-1, :]
     if temperature != 1.0:
         logits = logits / temperature

@@ -187,15 +187,17 @@ def response_states(
     keep: int,
     logits: bool,
     packed: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(logits or None, final hidden states) at the last `keep` columns, [B, keep, ...].
+    hidden: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, final hidden states) at the last `keep` columns, [B, keep, ...]; each None
+    unless asked for (a bare trunk has no logits; packed forwards always return hidden).
 
     Logits are only computed there: the prompt's next-token logits are never needed, and on a
     49k vocabulary they are a large share of the forward's FLOPs. `packed=False`, or a model
     packing cannot serve exactly, takes the plain forward over the padded rectangle.
     """
     if not (packed and can_pack(model)):
-        return _plain_states(model, input_ids, attention_mask, keep, logits)
+        return _plain_states(model, input_ids, attention_mask, keep, logits, hidden)
     longest = int((end_column(attention_mask) - first_real_column(attention_mask)).max())
     plan = pack(input_ids, attention_mask, keep, pack_budget(model, longest))
     eager = _inner(model).config._attn_implementation == "eager"
@@ -206,22 +208,28 @@ def response_states(
         use_cache=False,
     )
     flat = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
-    hidden = flat[plan.index.reshape(-1)].view(*plan.index.shape, -1)
-    head_logits = _inner(model).get_output_embeddings()(hidden) if logits else None
-    return head_logits, hidden
+    states = flat[plan.index.reshape(-1)].view(*plan.index.shape, -1)
+    head_logits = _inner(model).get_output_embeddings()(states) if logits else None
+    return head_logits, states
 
 
 def _plain_states(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int, logits: bool
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    kwargs = {"logits_to_keep": keep} if has_lm_head(model) else {}
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    keep: int,
+    logits: bool,
+    hidden: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    head = has_lm_head(model)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-        output_hidden_states=True,
-        **kwargs,
+        **({"logits_to_keep": keep, "output_hidden_states": hidden} if head else {}),
     )
-    hidden = out.hidden_states[-1][:, -keep:]
-    return (out.logits if logits else None), hidden
+    if not head:
+        return None, out.last_hidden_state[:, -keep:]
+    states = out.hidden_states[-1][:, -keep:] if hidden else None
+    return (out.logits if logits else None), states
