@@ -159,6 +159,17 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, extra: list[int] | None =
     return ids
 
 
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trunk(model: nn.Module) -> nn.Module:
+    """The transformer body without the LM head (peft's injected adapters live inside it)."""
+    inner = unwrap_peft(model)
+    return getattr(inner, inner.base_model_prefix, inner)
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Zero every dropout probability: RL needs pi_theta_old and pi_theta to be the same
     function of the weights, and dropout noise would make the ratio != 1 at the first step."""

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ppo_core.models import trunk, unwrap_peft
+
 HEAD_CHECK_ATTR = "_ppo_core_plain_head"
 
 
@@ -132,29 +134,19 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int, budge
     return Packing(ids, pos, seg, index)
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def trunk(model: nn.Module) -> nn.Module:
-    """The transformer body without the LM head (peft's injected adapters live inside it)."""
-    inner = _inner(model)
-    return getattr(inner, inner.base_model_prefix, inner)
-
-
 def has_lm_head(model: nn.Module) -> bool:
-    return trunk(model) is not _inner(model)
+    return trunk(model) is not unwrap_peft(model)
 
 
 def can_pack(model: nn.Module) -> bool:
-    config = _inner(model).config
+    config = unwrap_peft(model).config
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
     if getattr(config, "sliding_window", None) or (getattr(config, "layer_types", None) and any(
         t != "full_attention" for t in config.layer_types
     )):
         return False
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in _inner(model).modules()):
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap_peft(model).modules()):
         return False  # checkpointed layers may rebuild their masks
     return not has_lm_head(model) or plain_head(model)
 
@@ -168,7 +160,7 @@ def plain_head(model: nn.Module) -> bool:
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
             hidden = trunk(model)(input_ids=ids, use_cache=False).last_hidden_state
-            ours = _inner(model).get_output_embeddings()(hidden)
+            ours = unwrap_peft(model).get_output_embeddings()(hidden)
         model.__dict__[HEAD_CHECK_ATTR] = bool(torch.allclose(logits, ours, atol=1e-5, rtol=1e-4))
     return model.__dict__[HEAD_CHECK_ATTR]
 
@@ -177,7 +169,7 @@ def pack_budget(model: nn.Module, longest: int) -> int:
     """Tokens per packed row. Attention over a packed row grows with its length squared while
     the linear layers grow linearly: on SmolLM2-135M (hidden 576) rows of 400-600 tokens were
     fastest, a quarter faster than the padded batch (tests/bench/README.md)."""
-    return max(longest, int(_inner(model).config.hidden_size))
+    return max(longest, int(unwrap_peft(model).config.hidden_size))
 
 
 def response_states(
@@ -200,7 +192,7 @@ def response_states(
         return _plain_states(model, input_ids, attention_mask, keep, logits, hidden)
     longest = int((end_column(attention_mask) - first_real_column(attention_mask)).max())
     plan = pack(input_ids, attention_mask, keep, pack_budget(model, longest))
-    eager = _inner(model).config._attn_implementation == "eager"
+    eager = unwrap_peft(model).config._attn_implementation == "eager"
     out = trunk(model)(
         input_ids=plan.input_ids,
         attention_mask=plan.attention_mask(next(model.parameters()).dtype if eager else None),
@@ -209,7 +201,7 @@ def response_states(
     )
     flat = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
     states = flat[plan.index.reshape(-1)].view(*plan.index.shape, -1)
-    head_logits = _inner(model).get_output_embeddings()(states) if logits else None
+    head_logits = unwrap_peft(model).get_output_embeddings()(states) if logits else None
     return head_logits, states
 
 

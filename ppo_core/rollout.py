@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from ppo_core.config import SamplingConfig
 from ppo_core.logprobs import selective_log_softmax
+from ppo_core.models import unwrap_peft
 
 # Keeping generation logits costs batch * new_tokens * vocab floats; above this many bytes we
 # let the caller recompute log-probs with a forward pass instead.
@@ -169,7 +170,7 @@ def _without_model_generation_defaults(model: nn.Module) -> Iterator[None]:
     repetition_penalty, no_repeat_ngram_size, num_beams, ...) from model.generation_config; any of
     them would make the sampling distribution differ from the softmax(logits / T) whose log-probs
     PPO trains on. A blank model config for the call leaves only the library's own settings."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     saved = getattr(base, "generation_config", None)
     base.generation_config = GenerationConfig()
     try:

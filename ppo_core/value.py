@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
+from ppo_core.models import trunk
 from ppo_core.packing import response_states
 
 HEAD_FILE = "value_head.safetensors"
@@ -64,9 +65,7 @@ class CriticModel(nn.Module):
         """A critic whose backbone copies the trunk of an already loaded model."""
         config = AutoConfig.for_model(**model.config.to_dict())
         backbone = AutoModel.from_config(config)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        trunk = getattr(base, base.base_model_prefix, base)
-        backbone.load_state_dict(trunk.state_dict())
+        backbone.load_state_dict(trunk(model).state_dict())
         backbone.to(next(model.parameters()).dtype)
         return cls(backbone)
 
