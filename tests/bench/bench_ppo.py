@@ -220,11 +220,13 @@ def summarise(
             "peak_mib": max(it["phases"][name]["peak_mib"] for it in measured),
             "delta_mib": max(it["phases"][name]["delta_mib"] for it in measured),
         }
-    ratios = not args.no_ratios
-    gen_ratio = ratios and mean(
+    def mean_if_ratios(fn: Callable[[dict], float]) -> float | None:
+        return None if args.no_ratios else mean(fn)
+
+    gen_ratio = mean_if_ratios(
         lambda it: it["phases"]["generation"]["s"] / it["phases"]["plain_generate"]["s"]
     )
-    update_ratio = ratios and mean(
+    update_ratio = mean_if_ratios(
         lambda it: (
             it["phases"]["update"]["s"] / (args.epochs * it["phases"]["plain_train_step"]["s"])
         )
@@ -239,10 +241,10 @@ def summarise(
         "iteration_cpu_s": mean(lambda it: it["phases"]["iteration"]["cpu_s"]),
         "loadavg_1min": mean(lambda it: it["counts"]["loadavg_1min"]),
         "phases": phases,
-        "plain_generate_s": ratios and mean(lambda it: it["phases"]["plain_generate"]["s"]),
-        "plain_train_step_s": ratios and mean(lambda it: it["phases"]["plain_train_step"]["s"]),
-        "ratio_generation_vs_plain_generate": gen_ratio or None,
-        "ratio_update_vs_plain_steps": update_ratio or None,
+        "plain_generate_s": mean_if_ratios(lambda it: it["phases"]["plain_generate"]["s"]),
+        "plain_train_step_s": mean_if_ratios(lambda it: it["phases"]["plain_train_step"]["s"]),
+        "ratio_generation_vs_plain_generate": gen_ratio,
+        "ratio_update_vs_plain_steps": update_ratio,
         "profile_s": {
             name: mean(lambda it, n=name: it["phases"].get(n, {"s": 0.0})["s"])
             for name in sorted({k for it in measured for k in it["phases"] if "/" in k})
