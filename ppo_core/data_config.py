@@ -161,6 +161,9 @@ class RewardModelConfig(StrictModel):
     """Passes over the training pairs (one is the usual choice: RMs overfit fast)."""
     batch_size: int = Field(16, ge=1)
     """Pairs per optimizer step."""
+    trainable_layers: int | None = Field(None, ge=0)
+    """Train only the top N transformer blocks (and what follows them: final norm, pooler,
+    head); the embeddings and lower blocks stay frozen. None trains every parameter."""
     max_length: int = Field(256, ge=8)
     """Tokens of prompt plus response seen by the RM (longer inputs are truncated)."""
     center_coef: float = Field(0.0, ge=0.0)

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from ppo_core.data_config import RewardModelConfig
 from ppo_core.labelers import GoldScorer
-from ppo_core.models import pick_device
+from ppo_core.models import freeze_below_top_blocks, pick_device
 from ppo_core.preferences import PreferenceRow
 from ppo_core.reward_model import RewardModel
 
@@ -177,10 +177,11 @@ def train_reward_model(
     rm = RewardModel.from_pretrained(
         cfg.backbone, pick_device(cfg.device), cfg.trust_remote_code, cfg.max_length, cfg.pooling
     )
+    if cfg.trainable_layers is not None:
+        freeze_below_top_blocks(rm.model, cfg.trainable_layers)
     rm.model.train()
-    optimizer = torch.optim.AdamW(
-        rm.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    )
+    trainable = [p for p in rm.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -199,7 +200,7 @@ def train_reward_model(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(rm.model.parameters(), cfg.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             metrics = _step_metrics(loss, r_c, r_r, scheduler.get_last_lr()[0])
             optimizer.step()
             scheduler.step()

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertModel, BertTokenizer, PreTrainedTokenizerFast
 
 from ppo_core.data_config import RewardModelConfig
+from ppo_core.models import transformer_blocks
 from ppo_core.preferences import PreferenceRow
 from ppo_core.reward_model import RewardModel, RewardScorer, scalar_head
 from ppo_core.reward_training import (
@@ -152,6 +153,31 @@ def test_tiny_rm_learns_separable_preferences(tmp_path: Path, kind: str) -> None
     scores = rm.score(prompts, [r.chosen for r in train] + [r.rejected for r in train])
     assert abs(scores.mean().item()) < 1e-4 and scores.std().item() == pytest.approx(1.0, abs=1e-4)
     assert pairwise_accuracy(rm, held_out) == pytest.approx(report.eval_accuracy)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_trainable_layers_freezes_embeddings_and_lower_blocks_only(
+    tmp_path: Path, kind: str
+) -> None:
+    backbone = llama_rm_dir(tmp_path) if kind == "llama" else bert_rm_dir(tmp_path)
+    torch.manual_seed(0)
+    before = RewardModel.from_pretrained(backbone).model.state_dict()
+    cfg = RewardModelConfig(
+        backbone=str(backbone), learning_rate=3e-3, batch_size=16, trainable_layers=1, device="cpu"
+    )
+    rm, report = train_reward_model(cfg, separable_rows(64, seed=0), [])
+    blocks = transformer_blocks(rm.model)
+    assert len(blocks) == 2 and report.steps == 4
+    def names(module: torch.nn.Module) -> set[str]:
+        own = {id(p) for p in module.parameters()}
+        return {n for n, p in rm.model.named_parameters() if id(p) in own}
+
+    moved = {n for n, p in rm.model.state_dict().items() if not torch.equal(p, before[n])}
+    embeddings = {n for n in before if "embed" in n}
+    assert embeddings and not moved & embeddings, "embeddings were trained"
+    assert names(blocks[0]) and not moved & names(blocks[0]), "the lower block was trained"
+    assert names(blocks[1]) <= moved, "the top block did not train"
+    assert names(scalar_head(rm.model)) <= moved, "the head did not train"
 
 
 # --- scoring ------------------------------------------------------------------------------------
