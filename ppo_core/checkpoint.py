@@ -87,6 +87,13 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(root / old, ignore_errors=True)
 
 
+def prune_checkpoints(root: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints; `latest` always stays."""
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        _prune(Path(root), keep_last, keep=latest.name)
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The folder `latest` points to, or None when there is no complete checkpoint."""
     pointer = Path(root) / LATEST

@@ -15,7 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 import ppo_core.trainer_state
-from ppo_core.checkpoint import LATEST, CheckpointWriteError, atomic_checkpoint, latest_checkpoint
+from ppo_core.checkpoint import (
+    LATEST,
+    CheckpointWriteError,
+    atomic_checkpoint,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 from tests.resume_worker import TOTAL_ITERATIONS, make_resume_trainer, policy_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +139,12 @@ def test_keep_last_prunes_old_checkpoints_and_empty_root_loads_nothing(tmp_path:
     assert {p.name for p in tmp_path.iterdir()} == {LATEST, "iter-000003", "iter-000004"}
     assert latest_checkpoint(tmp_path) == tmp_path / "iter-000004"
     assert make_resume_trainer().load(tmp_path / "nothing-here") is False
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert {p.name for p in tmp_path.iterdir()} == {LATEST, "iter-000004"}
+    # `latest` survives even when it is not the newest name
+    with atomic_checkpoint(tmp_path, "iter-000009", keep_last=None) as folder:
+        (folder / "x").write_text("9")
+    (tmp_path / LATEST).write_text("iter-000004")
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert {p.name for p in tmp_path.iterdir()} == {LATEST, "iter-000004", "iter-000009"}
+    prune_checkpoints(tmp_path / "empty", keep_last=1)  # no checkpoints: nothing to do

@@ -27,7 +27,7 @@ from flows.faults import maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file
 from flows.tracking import MetricLogger
-from ppo_core.checkpoint import latest_checkpoint
+from ppo_core.checkpoint import latest_checkpoint, prune_checkpoints
 from ppo_core.config import DeviceConfig
 from ppo_core.distributed import DataParallel, shutdown
 from ppo_core.prompts import encode_prompts
@@ -159,6 +159,9 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
         # history is empty when the round resumed from its own final checkpoint
         (folder / "history.json").write_text(json.dumps(out.history))
         (folder / "samples.json").write_text(json.dumps(out.samples))
+        # a finished round needs only the checkpoint the next round starts from (1.55 GB each
+        # for SmolLM2: policy, value head, both AdamW states)
+        prune_checkpoints(job.state_dir, keep_last=1)
     dp.barrier()
     return out
 
