@@ -8,6 +8,7 @@ evaluation stays held out across runs and dataset versions.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
@@ -68,6 +69,13 @@ def split_prompts(
     for prompt in prompts:
         (heldout if hash_unit(prompt, salt) < heldout_fraction else train).append(prompt)
     return train, heldout
+
+
+def reward_eval_prompts(prompts: Iterable[str]) -> set[str]:
+    """The prompts whose preference pairs evaluate the reward model: a second hash split with
+    its own salt, so no prompt has pairs on both sides and a prompt's side never changes."""
+    _, held_out = split_prompts(sorted(set(prompts)), 0.2, salt="reward-model-eval")
+    return set(held_out)
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, cfg: PromptConfig) -> str:

@@ -17,7 +17,7 @@ from flows.tracking import MetricLogger, TrackingContext, stage_run
 from ppo_core.data_config import PromptConfig, RewardModelConfig
 from ppo_core.labelers import load_gold_scorer, sample_response_groups
 from ppo_core.preferences import read_preference_set
-from ppo_core.prompts import split_prompts
+from ppo_core.prompts import reward_eval_prompts
 from ppo_core.reward_training import fit_normalisation
 from ppo_core.reward_training import train_reward_model as train_rm
 
@@ -44,9 +44,7 @@ def train_reward_model(
     cfg = RewardModelConfig.model_validate(settings["reward_model"])
     prompt_cfg = PromptConfig.model_validate(settings["prompts"])
     rows = read_preference_set(prefs.path)
-    # RM held-out pairs: a second hash split by prompt, so no prompt is on both sides.
-    _, eval_prompts = split_prompts(sorted({r.prompt for r in rows}), 0.2, salt="reward-model-eval")
-    eval_set = set(eval_prompts)
+    eval_set = reward_eval_prompts(r.prompt for r in rows)
     train_rows = [r for r in rows if r.prompt not in eval_set]
     eval_rows = [r for r in rows if r.prompt in eval_set]
     gold_name = settings["evaluation"].get("gold_scorer")

@@ -27,7 +27,7 @@ from ppo_core.config import SamplingConfig
 from ppo_core.data_config import PromptConfig, RewardModelConfig
 from ppo_core.labelers import label_pairs, load_gold_scorer, sample_response_groups
 from ppo_core.models import load_causal_lm, load_tokenizer
-from ppo_core.prompts import load_prompts, split_prompts
+from ppo_core.prompts import load_prompts, reward_eval_prompts, split_prompts
 from ppo_core.reward_model import RewardModel
 from ppo_core.reward_training import train_reward_model
 
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         args.groups.write_text(json.dumps(sample_groups(args)))
     groups: list[Group] = json.loads(args.groups.read_text())
     # the pipeline's RM split: the same prompts are held out here as in train_reward_model
-    _, eval_list = split_prompts([g["prompt"] for g in groups], 0.2, salt="reward-model-eval")
-    eval_prompts = set(eval_list)
+    eval_prompts = reward_eval_prompts(g["prompt"] for g in groups)
     train = [g for g in groups if g["prompt"] not in eval_prompts]
     held_out = [g for g in groups if g["prompt"] in eval_prompts]
     print(f"{len(train)} training prompts, {len(held_out)} held-out prompts", flush=True)
