@@ -47,7 +47,7 @@ def atomic_checkpoint(root: str | Path, name: str, keep_last: int | None = 2) ->
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_last is not None:
-        _prune(root, keep_last, keep=name)
+        prune_checkpoints(root, keep_last)
 
 
 class CheckpointWriteError(OSError):
@@ -80,18 +80,16 @@ def _write_pointer(root: Path, name: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def _prune(root: Path, keep_last: int, keep: str) -> None:
-    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    for old in names[: max(0, len(names) - keep_last)]:
-        if old != keep:
-            shutil.rmtree(root / old, ignore_errors=True)
-
-
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` complete checkpoints; `latest` always stays."""
     latest = latest_checkpoint(root)
-    if latest is not None:
-        _prune(Path(root), keep_last, keep=latest.name)
+    if latest is None:
+        return
+    root = Path(root)
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for old in names[: max(0, len(names) - keep_last)]:
+        if old != latest.name:
+            shutil.rmtree(root / old, ignore_errors=True)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

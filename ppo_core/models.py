@@ -181,10 +181,9 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def freeze_below_top_blocks(model: nn.Module, trainable_blocks: int) -> int:
+def freeze_below_top_blocks(model: nn.Module, trainable_blocks: int) -> None:
     """Freeze the embeddings and every block under the top `trainable_blocks`; the top blocks,
-    what follows them (final norm, pooler) and the head keep training. Returns the number of
-    parameters frozen.
+    what follows them (final norm, pooler) and the head keep training.
 
     Why: on a few thousand preference pairs the lower layers of a pretrained encoder carry
     general features that fine-tuning barely improves, and the backward pass stops at the
@@ -200,7 +199,6 @@ def freeze_below_top_blocks(model: nn.Module, trainable_blocks: int) -> int:
     lower = [p for block in blocks[:n_lower] for p in block.parameters()]
     for param in embeddings + lower:
         param.requires_grad_(False)
-    return sum(p.numel() for p in embeddings + lower)
 
 
 def disable_dropout(model: nn.Module) -> None:
