@@ -93,6 +93,12 @@ class GeneratedPreferenceSource(StrictModel):
     """Sequences generated at once."""
     min_score_gap: float = Field(0.0, ge=0.0)
     """Drop pairs whose gold scores differ by less than this (near-ties carry no signal)."""
+    truncations: int = Field(0, ge=0)
+    """Also label this many word-boundary prefixes of each sampled response, paired with every
+    other text of the prompt. A response against its own prefix shows the reward model which
+    words moved the score: free labels from a programmatic labeler (default config, 120 RM
+    prompts: agreement 0.78 -> 0.83 with 2). Used for training only, never for held-out
+    evaluation."""
 
 
 class LabelFileSource(StrictModel):
@@ -160,7 +166,13 @@ class RewardModelConfig(StrictModel):
     epochs: int = Field(1, ge=1)
     """Passes over the training pairs (one is the usual choice: RMs overfit fast)."""
     batch_size: int = Field(16, ge=1)
-    """Pairs per optimizer step."""
+    """Pairs per optimizer step (without group_by_prompt)."""
+    group_by_prompt: bool = False
+    """Batch by prompt (InstructGPT): each step takes `prompts_per_step` prompts with all their
+    pairs and scores each distinct response once, so K responses cost K forwards instead of
+    K(K-1), and an epoch shows each response once rather than K-1 times (less over-fitting)."""
+    prompts_per_step: int = Field(2, ge=1)
+    """Prompts per optimizer step with group_by_prompt (the loss averages all their pairs)."""
     trainable_layers: int | None = Field(None, ge=0)
     """Train only the top N transformer blocks (and what follows them: final norm, pooler,
     head); the embeddings and lower blocks stay frozen. None trains every parameter."""

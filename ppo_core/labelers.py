@@ -9,6 +9,11 @@ Labelers:
   so T -> 0 gives the deterministic gold ranking and T -> inf a coin flip.
 - people: `export_unlabeled` writes the pairs to a JSONL that raters fill with
   "preferred": "a" | "b"; `import_labels` reads it back.
+
+Truncations: a programmatic labeler can also judge word-boundary prefixes of each sampled
+response. A pair of a response and its own prefix differs only by the words cut off, so it tells
+the reward model which words moved the score: free extra labels where sampling is the expensive
+part (they only enter training; rows with a truncation carry metadata "truncated": true).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -121,21 +127,45 @@ def bradley_terry_probability(score_a: float, score_b: float, temperature: float
     return math.exp(z) / (1.0 + math.exp(z))
 
 
+def word_truncations(text: str, n: int, rng: random.Random) -> list[str]:
+    """Up to n distinct prefixes of `text` cut at random word ends, shortest first: each keeps
+    at least two words and drops at least one, and keeps the original spacing."""
+    ends = [m.end() for m in re.finditer(r"\S+", text)]
+    cuts = range(2, len(ends))  # number of words kept
+    return [text[: ends[c - 1]] for c in sorted(rng.sample(cuts, min(n, len(cuts))))]
+
+
+def with_truncations(
+    groups: Sequence[ResponseGroup], n: int, seed: int = 0
+) -> list[tuple[str, list[str], int]]:
+    """(prompt, responses + n truncations of each response, number of sampled responses)."""
+    rng = random.Random(seed)
+    return [
+        (prompt, [*rs, *(t for r in rs for t in word_truncations(r, n, rng))], len(rs))
+        for prompt, rs in groups
+    ]
+
+
 def label_pairs(
     groups: Sequence[ResponseGroup],
     scorer: GoldScorer,
     noise_temperature: float | None = None,
     seed: int = 0,
     min_score_gap: float = 0.0,
+    truncations: int = 0,
 ) -> list[PreferenceRow]:
-    """Every pair of distinct responses in each group, labelled by the gold scorer.
+    """Every pair of distinct texts in each group, labelled by the gold scorer; with
+    `truncations` > 0 the texts include that many word truncations of each response.
 
     Pairs with |s_a - s_b| < min_score_gap are dropped, and so are exact ties when labels are
     deterministic (nothing decides them). The gold scores go into the metadata so held-out
     agreement with gold can be measured later without rescoring.
     """
-    flat_prompts = [p for p, responses in groups for _ in responses]
-    flat_responses = [r for _, responses in groups for r in responses]
+    expanded = with_truncations(groups, truncations, seed) if truncations else [
+        (prompt, list(rs), len(rs)) for prompt, rs in groups
+    ]
+    flat_prompts = [p for p, texts, _ in expanded for _ in texts]
+    flat_responses = [r for _, texts, _ in expanded for r in texts]
     scores = [float(s) for s in scorer(flat_prompts, flat_responses)]
     if len(scores) != len(flat_responses):
         raise ValueError(
@@ -144,7 +174,7 @@ def label_pairs(
     rng = random.Random(seed)
     rows: list[PreferenceRow] = []
     offset = 0
-    for prompt, responses in groups:
+    for prompt, responses, n_sampled in expanded:
         for i, j in itertools.combinations(range(len(responses)), 2):
             a, b = responses[i], responses[j]
             s_a, s_b = scores[offset + i], scores[offset + j]
@@ -159,7 +189,9 @@ def label_pairs(
                 a_wins = rng.random() < bradley_terry_probability(s_a, s_b, noise_temperature)
             chosen, rejected = (a, b) if a_wins else (b, a)
             s_c, s_r = (s_a, s_b) if a_wins else (s_b, s_a)
-            meta = {"gold_chosen": s_c, "gold_rejected": s_r}
+            meta: dict = {"gold_chosen": s_c, "gold_rejected": s_r}
+            if j >= n_sampled:  # i < j: the pair involves a truncation
+                meta["truncated"] = True
             rows.append(
                 PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected, metadata=meta)
             )

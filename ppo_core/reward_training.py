@@ -22,6 +22,7 @@ from ppo_core.data_config import RewardModelConfig
 from ppo_core.labelers import GoldScorer
 from ppo_core.models import freeze_below_top_blocks, pick_device
 from ppo_core.preferences import PreferenceRow
+from ppo_core.prompts import reward_eval_prompts
 from ppo_core.reward_model import RewardModel
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
@@ -84,10 +85,44 @@ def _margins(rows: Sequence[PreferenceRow], device: torch.device) -> torch.Tenso
 def pair_scores(
     rm: RewardModel, rows: Sequence[PreferenceRow]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r_chosen, r_rejected) with one forward over both halves of the batch."""
-    prompts = [r.prompt for r in rows]
-    scores = rm.raw_scores(prompts + prompts, [r.chosen for r in rows] + [r.rejected for r in rows])
-    return scores[: len(rows)], scores[len(rows) :]
+    """(r_chosen, r_rejected) from one forward that scores each distinct (prompt, response) of
+    the batch once: in a batch of one prompt's pairs, each of its K responses is in K-1 pairs."""
+    slots: dict[tuple[str, str], int] = {}
+    chosen = [slots.setdefault((r.prompt, r.chosen), len(slots)) for r in rows]
+    rejected = [slots.setdefault((r.prompt, r.rejected), len(slots)) for r in rows]
+    scores = rm.raw_scores([p for p, _ in slots], [t for _, t in slots])
+    return scores[chosen], scores[rejected]
+
+
+def split_reward_rows(
+    rows: Sequence[PreferenceRow],
+) -> tuple[list[PreferenceRow], list[PreferenceRow]]:
+    """(training, held-out) pairs by the RM's prompt split. Held-out keeps only pairs of whole
+    sampled responses: those are what PPO has the RM score, truncations are a training aid."""
+    eval_prompts = reward_eval_prompts(r.prompt for r in rows)
+    train = [r for r in rows if r.prompt not in eval_prompts]
+    held_out = [r for r in rows if r.prompt in eval_prompts and not r.metadata.get("truncated")]
+    return train, held_out
+
+
+def sampled_responses(rows: Sequence[PreferenceRow]) -> tuple[list[str], list[str]]:
+    """(prompts, responses): each distinct response of the pairs once, truncations left out
+    (unless nothing else is there), to fit the normalisation on what the policy writes."""
+    whole = [r for r in rows if not r.metadata.get("truncated")] or list(rows)
+    pairs = dict.fromkeys((r.prompt, t) for r in whole for t in (r.chosen, r.rejected))
+    return [p for p, _ in pairs], [t for _, t in pairs]
+
+
+def training_units(
+    rows: Sequence[PreferenceRow], group_by_prompt: bool
+) -> list[list[PreferenceRow]]:
+    """What one shuffle moves around: single pairs, or all the pairs of one prompt."""
+    if not group_by_prompt:
+        return [[row] for row in rows]
+    by_prompt: dict[str, list[PreferenceRow]] = {}
+    for row in rows:
+        by_prompt.setdefault(row.prompt, []).append(row)
+    return list(by_prompt.values())
 
 
 @torch.no_grad()
@@ -182,7 +217,9 @@ def train_reward_model(
     rm.model.train()
     trainable = [p for p in rm.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    steps_per_epoch = math.ceil(len(train_rows) / cfg.batch_size)
+    units = training_units(train_rows, cfg.group_by_prompt)
+    per_step = cfg.prompts_per_step if cfg.group_by_prompt else cfg.batch_size
+    steps_per_epoch = math.ceil(len(units) / per_step)
     total = steps_per_epoch * cfg.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, linear_schedule(total, int(cfg.warmup_fraction * total))
@@ -191,8 +228,8 @@ def train_reward_model(
     step, losses, hits = 0, [], []
     for _epoch in range(cfg.epochs):
         losses, hits = [], []
-        for batch in torch.randperm(len(train_rows), generator=generator).split(cfg.batch_size):
-            rows = [train_rows[i] for i in batch.tolist()]
+        for batch in torch.randperm(len(units), generator=generator).split(per_step):
+            rows = [row for i in batch.tolist() for row in units[i]]
             r_c, r_r = pair_scores(rm, rows)
             loss = bradley_terry_loss(r_c, r_r, _margins(rows, rm.device))
             if cfg.center_coef > 0:
@@ -222,9 +259,8 @@ def train_reward_model(
                 rm, eval_rows, gold_scorer, cfg.gold_min_gap, scores=(r_c, r_r)
             )
     if cfg.normalise:
-        prompts = [r.prompt for r in train_rows]
-        responses = [r.chosen for r in train_rows] + [r.rejected for r in train_rows]
-        fit_normalisation(rm, prompts + prompts, responses, 2 * cfg.batch_size)
+        prompts, responses = sampled_responses(train_rows)
+        fit_normalisation(rm, prompts, responses, 2 * cfg.batch_size)
     report = RewardTrainReport(
         train_loss=sum(losses) / n_last,
         train_accuracy=sum(hits) / n_last,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ppo_core.labelers import (
     load_gold_scorer,
     sample_response_groups,
     vader_scores,
+    word_truncations,
 )
 from tests.tiny import tiny_llama, tiny_tokenizer
 
@@ -95,6 +97,36 @@ def test_pairs_per_group_gold_metadata_and_gap_filter() -> None:
     assert a_b.metadata == {"gold_chosen": 0.9, "gold_rejected": 0.0} and a_b.prompt == "p"
     wide = label_pairs(groups, scorer, min_score_gap=0.1)
     assert {(r.chosen, r.rejected) for r in wide} == {("a", "b"), ("c", "b")}
+
+
+def test_word_truncations_cut_at_word_ends_and_keep_the_spacing() -> None:
+    text = "Sunny  day,\nwe walked to the\tlake"  # 7 words, odd spacing kept inside a prefix
+    cuts = word_truncations(text, 3, random.Random(0))
+    assert len(cuts) == len(set(cuts)) == 3
+    assert [len(c) for c in cuts] == sorted(len(c) for c in cuts)  # shortest first
+    for cut in cuts:
+        assert text.startswith(cut) and cut != text  # a real prefix that drops something
+        assert text[len(cut)].isspace() and not cut[-1].isspace()  # ends at a word end
+        assert len(cut.split()) >= 2
+    assert word_truncations(text, 99, random.Random(0)) == [
+        "Sunny  day,", "Sunny  day,\nwe", "Sunny  day,\nwe walked", "Sunny  day,\nwe walked to",
+        "Sunny  day,\nwe walked to the",
+    ]  # every cut from 2 to 6 words
+    assert word_truncations("two words", 3, random.Random(0)) == []
+
+
+def test_truncated_pairs_are_labelled_and_flagged() -> None:
+    groups = [("p", ["good day for a walk", "bad day"])]
+    scorer = lambda prompts, responses: [float(len(r)) for r in responses]  # noqa: E731
+    rows = label_pairs(groups, scorer, truncations=2)
+    texts = {"good day for a walk", "bad day", "good day", "good day for", "good day for a"}
+    assert {r.chosen for r in rows} | {r.rejected for r in rows} <= texts
+    # 2 sampled + 2 truncations of the 5-word answer (the 2-word one has none): 4 choose 2 pairs
+    assert len(rows) == 6 and all(len(r.chosen) > len(r.rejected) for r in rows)  # gold: longer
+    sampled = [r for r in rows if not r.metadata.get("truncated")]
+    assert [(r.chosen, r.rejected) for r in sampled] == [("good day for a walk", "bad day")]
+    assert label_pairs(groups, scorer) == sampled  # truncations=0 labels exactly as before
+    assert label_pairs(groups, scorer, truncations=2) == rows  # seeded
 
 
 def test_sample_response_groups_gives_k_seeded_responses_per_prompt() -> None:

@@ -42,7 +42,9 @@ def _collect_rows(
         source.batch_size, prefs.seed,
     )
     scorer = load_gold_scorer(source.labeler)
-    rows = label_pairs(groups, scorer, source.noise_temperature, prefs.seed, source.min_score_gap)
+    rows = label_pairs(
+        groups, scorer, source.noise_temperature, prefs.seed, source.min_score_gap, source.truncations
+    )
     return rows, {}, []
 
 

@@ -17,8 +17,7 @@ from flows.tracking import MetricLogger, TrackingContext, stage_run
 from ppo_core.data_config import PromptConfig, RewardModelConfig
 from ppo_core.labelers import load_gold_scorer, sample_response_groups
 from ppo_core.preferences import read_preference_set
-from ppo_core.prompts import reward_eval_prompts
-from ppo_core.reward_training import fit_normalisation
+from ppo_core.reward_training import fit_normalisation, split_reward_rows
 from ppo_core.reward_training import train_reward_model as train_rm
 
 NORMALISATION_PROMPTS = 64
@@ -44,15 +43,15 @@ def train_reward_model(
     cfg = RewardModelConfig.model_validate(settings["reward_model"])
     prompt_cfg = PromptConfig.model_validate(settings["prompts"])
     rows = read_preference_set(prefs.path)
-    eval_set = reward_eval_prompts(r.prompt for r in rows)
-    train_rows = [r for r in rows if r.prompt not in eval_set]
-    eval_rows = [r for r in rows if r.prompt in eval_set]
+    train_rows, eval_rows = split_reward_rows(rows)
     gold_name = settings["evaluation"].get("gold_scorer")
     gold = load_gold_scorer(gold_name) if gold_name else None
     final = stage_dir(work_dir, "train_reward_model", key) / "model"
     with stage_run(tracking, "train_reward_model") as run_id:
         metric_logger = MetricLogger(run_id, tracking.uri)
-        rm, report = train_rm(cfg, train_rows, eval_rows, on_metrics=metric_logger, gold_scorer=gold)
+        # normalisation is fitted below, on fresh reference samples, not on the training pairs
+        rm, report = train_rm(cfg.model_copy(update={"normalise": False}), train_rows, eval_rows,
+                              on_metrics=metric_logger, gold_scorer=gold)
         if cfg.normalise:
             prompts = read_prompt_file(prefs.train_prompts_path)[:NORMALISATION_PROMPTS]
             p, r = _reference_samples(reference, prompts, prompt_cfg, cfg.seed)
@@ -67,7 +66,9 @@ def train_reward_model(
         )
         if run_id is not None:
             mlflow.log_params({"backbone": cfg.backbone, "n_train": len(train_rows), "n_eval": len(eval_rows)})
-            mlflow.log_metrics({k: v for k, v in report.model_dump().items() if isinstance(v, int | float) and v is not None})
+            metrics = report.model_dump(exclude={"gain", "bias"})  # those of the fit below
+            mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None}
+                               | {"gain": rm.gain, "bias": rm.bias})
             if settings["tracking"]["register_models"]:
                 name = f"{tracking.pipeline}-reward-model"
                 lineage = {"rlhf.config_hash": tracking.config_hash, "rlhf.preference_sha256": prefs.sha256,
