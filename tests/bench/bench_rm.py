@@ -26,7 +26,7 @@ import yaml
 
 from ppo_core.config import SamplingConfig
 from ppo_core.data_config import PromptConfig, RewardModelConfig
-from ppo_core.labelers import label_pairs, load_gold_scorer, sample_response_groups
+from ppo_core.labelers import GoldScorer, label_pairs, load_gold_scorer, sample_response_groups
 from ppo_core.models import load_causal_lm, load_tokenizer
 from ppo_core.prompts import load_prompts, reward_eval_prompts, split_prompts
 from ppo_core.reward_model import RewardModel
@@ -37,8 +37,6 @@ BUCKETS = ((0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 2.0))
 DEFAULT = yaml.safe_load((Path(__file__).parents[2] / "configs" / "default.yaml").read_text())
 DEFAULT_RM = {**DEFAULT["reward_model"], "normalise": False}
 RATER = DEFAULT["preferences"]["source"]
-# the default's 150 preference prompts minus its RM split
-DEFAULT_TRAIN_PROMPTS = 120
 Group = dict[str, Any]  # {"prompt": str, "responses": [str], "gold": [float]}
 
 
@@ -76,23 +74,28 @@ def agreement_by_gap(rm: RewardModel, held_out: list[Group], min_gap: float) -> 
 
 
 def run_variant(
-    spec: dict[str, Any], train: list[Group], held_out: list[Group], min_gap: float
+    spec: dict[str, Any],
+    groups: list[Group],
+    held_out: list[Group],
+    min_gap: float,
+    gold: GoldScorer,
 ) -> dict[str, Any]:
+    """`n_prompts` counts preference prompts as the config does: the RM trains on those of
+    the first n_prompts that are not in the held-out split."""
     spec = dict(spec)
-    n_prompts = spec.pop("n_prompts", DEFAULT_TRAIN_PROMPTS)
+    n_prompts = spec.pop("n_prompts", RATER["n_prompts"])
     k = spec.pop("k", RATER["responses_per_prompt"])
     temperature = spec.pop("noise_temperature", RATER["noise_temperature"])
-    lookup = {(g["prompt"], r): s for g in train for r, s in zip(g["responses"], g["gold"], strict=True)}
-    groups = [(g["prompt"], g["responses"][:k]) for g in train[:n_prompts]]
-    rows = label_pairs(
-        groups, lambda ps, rs: [lookup[pr] for pr in zip(ps, rs, strict=True)], temperature, 0,
-        RATER["min_score_gap"],
-    )
+    truncations = spec.pop("truncations", RATER.get("truncations", 0))
+    held_out_prompts = {g["prompt"] for g in held_out}
+    train = [(g["prompt"], g["responses"][:k]) for g in groups[:n_prompts]]
+    train = [(p, rs) for p, rs in train if p not in held_out_prompts]
+    rows = label_pairs(train, gold, temperature, 0, RATER["min_score_gap"], truncations)
     start = time.perf_counter()
     rm, report = train_reward_model(RewardModelConfig(**{**DEFAULT_RM, **spec}), rows, [])
     seconds = time.perf_counter() - start
     return {
-        "train_prompts": len(groups), "pairs": len(rows), "train_seconds": round(seconds, 1),
+        "train_prompts": len(train), "pairs": len(rows), "train_seconds": round(seconds, 1),
         "train_accuracy": round(report.train_accuracy, 3),
         "held_out": agreement_by_gap(rm, held_out, min_gap),
     }
@@ -110,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME=JSON",
-        help="RewardModelConfig overrides plus n_prompts (null = all), k, noise_temperature",
+        help="RewardModelConfig overrides plus n_prompts (null = all), k, noise_temperature, truncations",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     return parser.parse_args(argv)
@@ -124,13 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     groups: list[Group] = json.loads(args.groups.read_text())
     # the pipeline's RM split: the same prompts are held out here as in train_reward_model
     eval_prompts = reward_eval_prompts(g["prompt"] for g in groups)
-    train = [g for g in groups if g["prompt"] not in eval_prompts]
     held_out = [g for g in groups if g["prompt"] in eval_prompts]
-    print(f"{len(train)} training prompts, {len(held_out)} held-out prompts", flush=True)
+    print(f"{len(groups)} prompts, {len(held_out)} of them held out", flush=True)
     results = {}
     for item in args.variant:
         name, _, spec = item.partition("=")
-        results[name] = run_variant(json.loads(spec or "{}"), train, held_out, args.min_gap)
+        results[name] = run_variant(
+            json.loads(spec or "{}"), groups, held_out, args.min_gap, load_gold_scorer(args.gold)
+        )
         print(name, json.dumps(results[name]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
