@@ -161,9 +161,7 @@ def label_pairs(
     deterministic (nothing decides them). The gold scores go into the metadata so held-out
     agreement with gold can be measured later without rescoring.
     """
-    expanded = with_truncations(groups, truncations, seed) if truncations else [
-        (prompt, list(rs), len(rs)) for prompt, rs in groups
-    ]
+    expanded = with_truncations(groups, truncations, seed)  # n = 0: the responses alone
     flat_prompts = [p for p, texts, _ in expanded for _ in texts]
     flat_responses = [r for _, texts, _ in expanded for r in texts]
     scores = [float(s) for s in scorer(flat_prompts, flat_responses)]

@@ -82,15 +82,24 @@ def _margins(rows: Sequence[PreferenceRow], device: torch.device) -> torch.Tenso
     return torch.tensor([r.margin or 0.0 for r in rows], dtype=torch.float32, device=device)
 
 
-def pair_scores(
-    rm: RewardModel, rows: Sequence[PreferenceRow]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r_chosen, r_rejected) from one forward that scores each distinct (prompt, response) of
-    the batch once: in a batch of one prompt's pairs, each of its K responses is in K-1 pairs."""
+def distinct_texts(
+    rows: Sequence[PreferenceRow],
+) -> tuple[list[str], list[str], list[int], list[int]]:
+    """(prompts, responses, chosen index, rejected index): each distinct (prompt, response) of
+    the pairs once, so a response that is in several pairs is scored once."""
     slots: dict[tuple[str, str], int] = {}
     chosen = [slots.setdefault((r.prompt, r.chosen), len(slots)) for r in rows]
     rejected = [slots.setdefault((r.prompt, r.rejected), len(slots)) for r in rows]
-    scores = rm.raw_scores([p for p, _ in slots], [t for _, t in slots])
+    return [p for p, _ in slots], [t for _, t in slots], chosen, rejected
+
+
+def pair_scores(
+    rm: RewardModel, rows: Sequence[PreferenceRow]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen, r_rejected) from one forward over the batch's distinct texts: in a batch of
+    one prompt's pairs, each of its K responses is in K-1 pairs."""
+    prompts, responses, chosen, rejected = distinct_texts(rows)
+    scores = rm.raw_scores(prompts, responses)
     return scores[chosen], scores[rejected]
 
 
@@ -129,10 +138,9 @@ def training_units(
 def _eval_scores(
     rm: RewardModel, rows: Sequence[PreferenceRow], batch_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    prompts = [r.prompt for r in rows]
-    chosen = rm.score(prompts, [r.chosen for r in rows], batch_size, normalised=False)
-    rejected = rm.score(prompts, [r.rejected for r in rows], batch_size, normalised=False)
-    return chosen, rejected
+    prompts, responses, chosen, rejected = distinct_texts(rows)
+    scores = rm.score(prompts, responses, batch_size, normalised=False)
+    return scores[chosen], scores[rejected]
 
 
 def pairwise_accuracy(
