@@ -88,6 +88,10 @@ class EvaluationConfig(StrictModel):
 
     n_prompts: int = Field(64, ge=1)
     """Held-out prompts to evaluate on (at most the held-out split's size)."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Responses sampled per prompt for the reference and each policy. The standard error of a
+    gold mean falls as 1/sqrt(this) until prompt-to-prompt spread dominates; the cost grows
+    linearly (generation and exact KL)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling for evaluation responses."""
     gold_scorer: str | None = "vader"

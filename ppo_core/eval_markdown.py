@@ -20,34 +20,47 @@ def _cell(text: str | None) -> str:
     return flat if len(flat) <= MAX_CELL else flat[: MAX_CELL - 1] + "…"
 
 
-def _row(label: str, e: PolicyEval) -> str:
+def _pm(value: float | None, se: float | None) -> str:
+    return _num(value) if value is None or se is None else f"{value:.3f} ± {se:.3f}"
+
+
+def _gain(e: PolicyEval, ref: PolicyEval) -> str:
+    if e is ref or e.gold_reward is None or ref.gold_reward is None:
+        return "–"
+    return _pm(e.gold_reward - ref.gold_reward, e.gold_gain_se)
+
+
+def _row(label: str, e: PolicyEval, ref: PolicyEval) -> str:
     cells = [
         label,
         _num(e.kl_exact),
         _num(e.kl_k1),
         _num(e.kl_k3),
         _num(e.proxy_reward),
-        _num(e.gold_reward),
+        _pm(e.gold_reward, e.gold_reward_se),
+        _gain(e, ref),
         _num(e.win_rate_proxy, "{:.2f}"),
         _num(e.win_rate_gold, "{:.2f}"),
         _num(e.response_length, "{:.1f}"),
         _num(e.eos_rate, "{:.2f}"),
-        str(e.n),
+        str(e.n) if e.samples_per_prompt == 1 else f"{e.n} x {e.samples_per_prompt}",
     ]
     return "| " + " | ".join(cells) + " |"
 
 
 def rounds_table(report: EvalReport) -> str:
     header = (
-        "| round | KL exact | KL k1 | KL k3 | proxy | gold | win (proxy) | win (gold) | length | EOS rate | n |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "| round | KL exact | KL k1 | KL k3 | proxy | gold ± SE | gold gain ± SE | win (proxy) "
+        "| win (gold) | length | EOS rate | prompts |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    rows = [_row("reference", report.reference)]
+    ref = report.reference
+    rows = [_row("reference", ref, ref)]
     for number, e in sorted(report.rounds.items()):
         mark = " (best)" if number == report.best_round else ""
-        rows.append(_row(f"{number}{mark}", e))
+        rows.append(_row(f"{number}{mark}", e, ref))
     if report.final is not None and report.final not in report.rounds.values():
-        rows.append(_row("final", report.final))
+        rows.append(_row("final", report.final, ref))
     return "\n".join([header, *rows])
 
 
@@ -80,7 +93,8 @@ def report_markdown(report: EvalReport) -> str:
         parts += [f"  - {line}" for line in report.gates.checked]
     parts += [
         "",
-        "KL in nats per sequence (mean over prompts); win rates against the reference's responses, ties 0.5.",
+        "KL in nats per sequence (mean over responses); win rates against the reference's responses, "
+        "ties 0.5; standard errors over prompts, the gain's paired by prompt.",
         "",
     ]
     parts += [rounds_table(report), ""]

@@ -10,8 +10,7 @@ the same responses; it uses its own seed so that the two samples are independent
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -21,13 +20,9 @@ from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import SamplingConfig, StrictModel
 from ppo_core.eval_kl import SequenceKL, exact_kl, sampled_kl, sequence_kl
+from ppo_core.eval_stats import Scorer, prompt_mean_and_se, score, win_rate
 from ppo_core.models import stop_token_ids
 from ppo_core.rollout import generate, left_pad
-
-Scorer = Callable[[list[str], list[str]], torch.Tensor | Sequence[float]]
-"""score(prompts, responses) -> one float per pair: the reward model's normalised score (proxy)
-or a programmatic judge such as VADER (gold). Any callable works; nothing here depends on the
-reward-model class."""
 
 __all__ = [
     "EvalSample",
@@ -89,7 +84,10 @@ class PolicyEval(StrictModel):
     per-sequence sums (nats); scores are means over prompts."""
 
     n: int = Field(ge=0)
-    """Number of prompts (= responses) evaluated."""
+    """Number of prompts evaluated."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Responses sampled per prompt; means are over all n * samples_per_prompt responses,
+    standard errors over the n per-prompt means."""
     kl_exact: float
     """Mean sequence KL(pi || pi_ref), exact over the full next-token distributions."""
     kl_k1: float
@@ -104,6 +102,9 @@ class PolicyEval(StrictModel):
     """Mean gold score; None without a gold scorer."""
     gold_reward_se: float | None = None
     """Standard error of `gold_reward`."""
+    gold_gain_se: float | None = None
+    """Standard error of the gold gain over the reference (gold_reward minus the reference's),
+    paired by prompt: prompt difficulty cancels, so it is below the two SEs combined."""
     win_rate_proxy: float | None = None
     """Fraction of prompts where the proxy prefers this policy's response to the reference's (ties 0.5)."""
     win_rate_gold: float | None = None
@@ -118,43 +119,6 @@ class PolicyEval(StrictModel):
     def kl(self, estimator: str = "exact") -> float:
         """The mean sequence KL by estimator name: exact, k1 or k3."""
         return {"exact": self.kl_exact, "k1": self.kl_k1, "k3": self.kl_k3}[estimator]
-
-
-# ---- scoring helpers ------------------------------------------------------------------------
-def score(scorer: Scorer, prompts: list[str], responses: list[str]) -> list[float]:
-    """Call a scorer and check it returned one finite float per response."""
-    raw = scorer(prompts, responses)
-    values = (
-        raw.detach().float().reshape(-1).cpu().tolist()
-        if torch.is_tensor(raw)
-        else [float(v) for v in raw]
-    )
-    if len(values) != len(responses):
-        raise ValueError(f"scorer returned {len(values)} scores for {len(responses)} responses")
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if bad:
-        raise ValueError(f"scorer returned non-finite scores at rows {bad[:5]}")
-    return values
-
-
-def win_rate(scores: Sequence[float], ref_scores: Sequence[float]) -> float:
-    """mean over prompts of 1[s > s_ref] + 0.5 * 1[s == s_ref]."""
-    if len(scores) != len(ref_scores) or not scores:
-        raise ValueError(
-            f"win rate needs paired, non-empty scores ({len(scores)} vs {len(ref_scores)})"
-        )
-    wins = sum(
-        1.0 if s > r else 0.5 if s == r else 0.0 for s, r in zip(scores, ref_scores, strict=True)
-    )
-    return wins / len(scores)
-
-
-def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
-    """Sample mean and its standard error std / sqrt(n) (Bessel-corrected; 0 for n < 2)."""
-    x = torch.tensor(list(values), dtype=torch.float64)
-    if x.numel() < 2:
-        return float(x.mean()) if x.numel() else 0.0, 0.0
-    return float(x.mean()), float(x.std() / x.numel() ** 0.5)
 
 
 # ---- sampling -------------------------------------------------------------------------------
@@ -211,13 +175,6 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check_prompts(prompt_texts: Sequence[str], prompt_ids: Sequence[Sequence[int]]) -> None:
-    if len(prompt_texts) != len(prompt_ids) or not prompt_texts:
-        raise ValueError(
-            f"need one token list per prompt text ({len(prompt_texts)} vs {len(prompt_ids)})"
-        )
-
-
 # ---- the two entry points -------------------------------------------------------------------
 def evaluate_reference(
     ref: nn.Module,
@@ -230,12 +187,13 @@ def evaluate_reference(
     seed: int = REFERENCE_SEED,
     batch_size: int = 16,
     n_samples: int = 4,
+    samples_per_prompt: int = 1,
 ) -> tuple[PolicyEval, ReferenceSample]:
     """The baseline: the reference's own scores (KL 0 and win rate 0.5 by definition), and the
-    sample every later round is compared against."""
-    _check_prompts(prompt_texts, prompt_ids)
-    out = sample_responses(ref, tokenizer, prompt_ids, sampling, seed, batch_size)
-    prompts = list(prompt_texts)
+    sample every later round is compared against (`samples_per_prompt` responses per prompt,
+    laid out as the prompt list repeated that many times)."""
+    prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
+    out = sample_responses(ref, tokenizer, ids, sampling, seed, batch_size)
     sample = ReferenceSample(
         prompts=prompts,
         responses=out.texts,
@@ -243,10 +201,12 @@ def evaluate_reference(
         gold_scores=score(gold, prompts, out.texts) if gold is not None else None,
         seed=seed,
     )
-    proxy_mean, proxy_se = mean_and_se(sample.proxy_scores)
-    gold_stats = mean_and_se(sample.gold_scores) if sample.gold_scores is not None else (None, None)
+    n = len(prompt_texts)
+    proxy_mean, proxy_se = prompt_mean_and_se(sample.proxy_scores, n)
+    gold_stats = _gold_stats(sample.gold_scores, n)
     baseline = PolicyEval(
-        n=len(prompts),
+        n=n,
+        samples_per_prompt=samples_per_prompt,
         kl_exact=0.0,
         kl_k1=0.0,
         kl_k3=0.0,
@@ -279,29 +239,32 @@ def evaluate_policy(
     batch_size: int = 16,
     n_samples: int = 4,
     chunk_size: int = 1024,
+    samples_per_prompt: int = 1,
 ) -> PolicyEval:
-    """Sample the policy once per held-out prompt (fixed seed), then measure KL, scores and, given
-    the reference's responses to the same prompts, win rates. `ref_responses` is best the
-    `ReferenceSample` from `evaluate_reference` (scores reused); plain strings are scored here;
-    None skips the win rates."""
-    _check_prompts(prompt_texts, prompt_ids)
-    prompts = list(prompt_texts)
-    out = sample_responses(
-        policy, tokenizer, prompt_ids, sampling, seed, batch_size, ref, chunk_size
-    )
+    """Sample the policy `samples_per_prompt` times per held-out prompt (fixed seed), then
+    measure KL, scores and, given the reference's responses to the same prompts, win rates and
+    the paired gold gain. `ref_responses` is best the `ReferenceSample` from
+    `evaluate_reference` (scores reused; drawn with the same `samples_per_prompt`); plain
+    strings, one per sampled response, are scored here; None skips the comparisons."""
+    prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
+    out = sample_responses(policy, tokenizer, ids, sampling, seed, batch_size, ref, chunk_size)
     assert out.kl is not None
     proxy_scores = score(proxy, prompts, out.texts)
     gold_scores = score(gold, prompts, out.texts) if gold is not None else None
     reference = _as_reference(ref_responses, prompts, proxy, gold)
-    win_proxy = win_gold = None
+    win_proxy = win_gold = gain_se = None
+    n = len(prompt_texts)
     if reference is not None:
         win_proxy = win_rate(proxy_scores, reference.proxy_scores)
         if gold_scores is not None and reference.gold_scores is not None:
             win_gold = win_rate(gold_scores, reference.gold_scores)
-    proxy_mean, proxy_se = mean_and_se(proxy_scores)
-    gold_stats = mean_and_se(gold_scores) if gold_scores is not None else (None, None)
+            gains = [g - r for g, r in zip(gold_scores, reference.gold_scores, strict=True)]
+            gain_se = prompt_mean_and_se(gains, n)[1]
+    proxy_mean, proxy_se = prompt_mean_and_se(proxy_scores, n)
+    gold_stats = _gold_stats(gold_scores, n)
     return PolicyEval(
-        n=len(prompts),
+        n=n,
+        samples_per_prompt=samples_per_prompt,
         kl_exact=out.kl.exact.mean().item(),
         kl_k1=out.kl.k1.mean().item(),
         kl_k3=out.kl.k3.mean().item(),
@@ -309,12 +272,31 @@ def evaluate_policy(
         proxy_reward_se=proxy_se,
         gold_reward=gold_stats[0],
         gold_reward_se=gold_stats[1],
+        gold_gain_se=gain_se,
         win_rate_proxy=win_proxy,
         win_rate_gold=win_gold,
         response_length=sum(out.lengths) / len(out.lengths),
         eos_rate=sum(out.ended) / len(out.ended),
         samples=_samples(reference, out.texts, proxy_scores, gold_scores, n_samples, prompts),
     )
+
+
+def _tiled(
+    prompt_texts: Sequence[str], prompt_ids: Sequence[Sequence[int]], k: int
+) -> tuple[list[str], list[Sequence[int]]]:
+    """The prompt list repeated k times (response i answers prompt i % n): each batch mixes
+    prompts, and the first responses shown in a report are to different prompts."""
+    if len(prompt_texts) != len(prompt_ids) or not prompt_texts:
+        raise ValueError(
+            f"need one token list per prompt text ({len(prompt_texts)} vs {len(prompt_ids)})"
+        )
+    if k < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {k}")
+    return list(prompt_texts) * k, list(prompt_ids) * k
+
+
+def _gold_stats(values: list[float] | None, n: int) -> tuple[float | None, float | None]:
+    return prompt_mean_and_se(values, n) if values is not None else (None, None)
 
 
 def _as_reference(

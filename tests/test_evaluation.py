@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from ppo_core.config import SamplingConfig
-from ppo_core.eval_markdown import report_markdown
+from ppo_core.eval_markdown import report_markdown, rounds_table
 from ppo_core.eval_report import (
     EvalReport,
     GateConfig,
@@ -20,6 +20,7 @@ from ppo_core.eval_report import (
     check_gates,
     detect_reward_hacking,
 )
+from ppo_core.eval_stats import mean_and_se, prompt_mean_and_se
 from ppo_core.evaluation import (
     PolicyEval,
     ReferenceSample,
@@ -241,6 +242,51 @@ def test_evaluate_policy_is_seeded_and_leaves_the_callers_rng_alone(ref) -> None
         evaluate_policy(
             policy, ref, tok, texts, ids, sampling, lambda p, r: [float("nan")] * len(r)
         )
+
+
+def test_prompt_mean_and_se_takes_the_error_over_prompts_not_responses() -> None:
+    # two prompts, two samples each, laid out prompt-major per sample: [p0, p1, p0, p1]
+    values = [0.0, 10.0, 0.0, 10.0]
+    mean, se = prompt_mean_and_se(values, 2)
+    assert mean == 5.0
+    assert se == pytest.approx(5.0)  # per-prompt means 0 and 10: std 7.07 / sqrt(2)
+    assert mean_and_se(values)[1] == pytest.approx(2.887, abs=1e-3)  # what n = 4 would claim
+    assert prompt_mean_and_se([1.0, 2.0, 3.0], 3) == mean_and_se([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="do not tile 2 prompts"):
+        prompt_mean_and_se([1.0, 2.0, 3.0], 2)
+
+
+def prompt_gold(prompts: list[str], responses: list[str]) -> list[float]:
+    """A gold score that depends on the prompt only: every policy gains exactly 0."""
+    return [float(p.split()[0][1:]) for p in prompts]
+
+
+def test_several_samples_per_prompt_pair_the_gold_gain_by_prompt(ref) -> None:
+    tok, sampling = tiny_tokenizer(), SamplingConfig(max_new_tokens=6)
+    texts, ids = held_out(10)
+    baseline, reference = evaluate_reference(
+        ref, tok, texts, ids, sampling, word_sum, prompt_gold, samples_per_prompt=3
+    )
+    assert (baseline.n, baseline.samples_per_prompt) == (10, 3)
+    assert reference.prompts == texts * 3 and len(reference.responses) == 30
+    assert any(len(set(reference.responses[i::10])) > 1 for i in range(10))  # independent draws
+    assert baseline.proxy_reward_se == pytest.approx(
+        prompt_mean_and_se(reference.proxy_scores, 10)[1]
+    )
+    policy = evaluate_policy(
+        perturbed(ref), ref, tok, texts, ids, sampling, word_sum, prompt_gold, reference,
+        samples_per_prompt=3,
+    )
+    # prompt spread makes each gold mean uncertain, but it cancels in the paired gain
+    assert policy.gold_reward == pytest.approx(baseline.gold_reward)
+    assert policy.gold_reward_se > 0.5 and policy.gold_gain_se == pytest.approx(0.0)
+    table = rounds_table(build_report(baseline, {1: policy}, final=policy))
+    assert "| 10 x 3 |" in table and "0.000 ± 0.000" in table
+    args = (perturbed(ref), ref, tok, texts, ids, sampling, word_sum)
+    with pytest.raises(ValueError, match="different prompts"):  # drawn for 3 samples, not 1
+        evaluate_policy(*args, ref_responses=reference)
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 1"):
+        evaluate_policy(*args, samples_per_prompt=0)
 
 
 # ---- report: hacking flag, best round, gates ------------------------------------------------

@@ -174,6 +174,24 @@ def test_ppo_rounds_log_samples_and_curves(first_run: Run) -> None:
         assert any(p.endswith(".png") for p in plots), plots
 
 
+def test_evaluation_logs_paired_gain_errors_over_tiled_samples(first_run: Run) -> None:
+    """tiny.yaml samples 2 responses per held-out prompt: the report keeps prompts and samples
+    apart, and the gain's paired standard error reaches MLflow and the markdown table."""
+    from ppo_core.eval_report import EvalReport
+
+    (eval_run,) = stage_child_runs(first_run, "evaluate")
+    metrics = eval_run.data.metrics
+    assert {"policy/gold_gain_se", "policy/gold_reward_se", "gold_gain_se"} <= set(metrics)
+    (path,) = (first_run.folder / ".rlhf" / "tiny" / "stages" / "evaluate").glob("*/report.json")
+    report = EvalReport.model_validate_json(path.read_text())
+    cfg = load_cfg().evaluation
+    assert report.reference.samples_per_prompt == cfg.samples_per_prompt == 2
+    assert report.final is not None and report.final.n == cfg.n_prompts
+    assert report.final.gold_gain_se == metrics["gold_gain_se"] > 0
+    markdown = client(first_run).download_artifacts(eval_run.info.run_id, "report.md")
+    assert f"| {cfg.n_prompts} x 2 |" in Path(markdown).read_text()
+
+
 def test_second_run_adds_no_model_versions(first_run: Run, second_run: Run) -> None:
     before, after = first_run.notes["registry"], second_run.notes["registry"]
     assert set(after) == set(before) == set(NAMES)

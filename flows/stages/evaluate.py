@@ -37,6 +37,7 @@ def _log_eval(label: str, result: PolicyEval, step: int) -> None:
         "kl_exact": result.kl_exact, "kl_k1": result.kl_k1, "kl_k3": result.kl_k3,
         "proxy_reward": result.proxy_reward, "gold_reward": result.gold_reward,
         "win_rate_gold": result.win_rate_gold, "win_rate_proxy": result.win_rate_proxy,
+        "gold_reward_se": result.gold_reward_se, "gold_gain_se": result.gold_gain_se,
         "response_length": result.response_length, "eos_rate": result.eos_rate,
     }
     mlflow.log_metrics({f"{label}/{k}": v for k, v in values.items() if v is not None}, step=step)
@@ -49,6 +50,7 @@ def _headline(report: EvalReport) -> dict[str, float | None]:
         "final_gold": final.gold_reward,
         "reference_proxy": report.reference.proxy_reward,
         "final_proxy": final.proxy_reward,
+        "gold_gain_se": final.gold_gain_se,
         "kl_exact": final.kl_exact,
         "win_rate_gold": final.win_rate_gold,
         "win_rate_proxy": final.win_rate_proxy,
@@ -78,8 +80,11 @@ def evaluate(
     ref_model = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32).to(device).eval()
     rm = RewardModel.from_pretrained(reward.path, device=str(device))
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
-    common = {"sampling": cfg.sampling, "proxy": rm.score, "gold": gold, "n_samples": cfg.n_samples_shown}
-    log.info("evaluating the reference on %d held-out prompts", len(texts))
+    common = {
+        "sampling": cfg.sampling, "proxy": rm.score, "gold": gold,
+        "n_samples": cfg.n_samples_shown, "samples_per_prompt": cfg.samples_per_prompt,
+    }
+    log.info("evaluating the reference on %d held-out prompts x %d", len(texts), cfg.samples_per_prompt)
     baseline, ref_sample = evaluate_reference(ref_model, tokenizer, texts, ids, **common)
     rounds: dict[int, PolicyEval] = {}
     chosen = policies if cfg.per_round else policies[-1:]
