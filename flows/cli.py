@@ -58,8 +58,9 @@ def _print_result(result: dict[str, Any]) -> None:
     for stage, status in result["stages"].items():
         typer.echo(f"  {stage:<22} {status}")
     typer.echo("")
-    typer.echo(f"Champion promoted: {result['champion']}")
-    for label in ("reference_uri", "reward_model_uri", "policy_uri"):
+    promoted = f" (round {result['champion_round']})" if result.get("champion") and result.get("champion_round") else ""
+    typer.echo(f"Champion promoted: {result['champion']}{promoted}")
+    for label in ("reference_uri", "reward_model_uri", "policy_uri", "champion_uri"):
         if result.get(label):
             typer.echo(f"{label.replace('_uri', '').replace('_', ' '):<13} {result[label]}")
     typer.echo(f"Evaluation report: {result['report_path']}")

@@ -168,6 +168,8 @@ def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dic
         "reward_model_uri": reward.model_uri,
         "reference_uri": reference.model_uri,
         "champion": report.champion,
+        "champion_round": report.champion_round,
+        "champion_uri": report.champion_model_uri,
         "report_path": report.path,
         "mlflow_uri": ctx.uri,
         "mlflow_parent_run_id": ctx.parent_run_id,

@@ -65,6 +65,9 @@ class EvalRef(StageRef):
     """The evaluation report's JSON file and its headline numbers."""
 
     champion: bool
+    champion_round: int | None = None
+    """The round aliased `champion` (evaluation.gates.promote picks final or best round)."""
+    champion_model_uri: str | None = None
     gate_reasons: list[str] = Field(default_factory=list)
     headline: dict[str, float | None] = Field(default_factory=dict)
     plot_path: str | None = None

@@ -89,7 +89,8 @@ def report_markdown(report: EvalReport) -> str:
     )
     if report.gates is not None:
         verdict = "passed" if report.gates.passed else "**failed**"
-        parts.append(f"- Promotion gates: {verdict}")
+        promoted = "none" if report.champion_round is None else f"round {report.champion_round}"
+        parts.append(f"- Promotion gates: {verdict}; champion: {promoted}")
         parts += [f"  - {line}" for line in report.gates.checked]
     parts += [
         "",

@@ -41,6 +41,12 @@ class GateConfig(StrictModel):
     """Mean sequence KL to the reference (nats) must not exceed this (None: no KL budget)."""
     kl_estimator: Literal["exact", "k1", "k3"] = "exact"
     """Which KL estimate the budget applies to."""
+    promote: Literal["final", "best_round"] = "final"
+    """Which policy the gates decide on. `final`: the last round's. `best_round`: of the
+    evaluated rounds that pass every gate, the one with the highest gold reward (proxy without
+    gold): the checkpoint before over-optimisation or before the KL budget ran out (Gao et al.'s
+    early stopping). It is picked on the held-out prompts it is reported on, so with many
+    rounds its reported gain is slightly optimistic."""
 
 
 class GateResult(BaseModel):
@@ -81,7 +87,11 @@ class EvalReport(BaseModel):
     best_round: int | None = None
     """Round with the highest gold reward (proxy when there is no gold scorer)."""
     gates: GateResult | None = None
-    """Promotion gate results for the final policy, when gates were configured."""
+    """Promotion gate results for the promoted policy (the final one when none passed), when
+    gates were configured."""
+    champion_round: int | None = None
+    """The round promoted to champion; None when no candidate passed the gates or the final
+    policy is not one of the evaluated rounds."""
 
     def history(self) -> dict[int, PolicyEval]:
         """Reference as round 0, then the rounds in order."""
@@ -232,5 +242,28 @@ def build_report(
         best_round=best_round(ordered),
     )
     if gates is not None:
-        report.gates = gate_result(report, reference, gates)
+        report.champion_round, report.gates = choose_champion(report, gates)
+    else:
+        report.champion_round = _final_round(report)
     return report
+
+
+def choose_champion(report: EvalReport, gates: GateConfig) -> tuple[int | None, GateResult]:
+    """(promoted round or None, the gate result it was decided by); see GateConfig.promote."""
+    if gates.promote == "best_round":
+        passing = {
+            k: e for k, e in report.rounds.items() if gate_result(e, report.reference, gates).passed
+        }
+        chosen = best_round(passing)
+        if chosen is not None:
+            return chosen, gate_result(passing[chosen], report.reference, gates)
+    result = gate_result(report, report.reference, gates)
+    return (_final_round(report) if result.passed else None), result
+
+
+def _final_round(report: EvalReport) -> int | None:
+    """The round number of the policy the gates check by default (the final one)."""
+    if report.final is None:
+        return report.best_round
+    matches = [k for k, e in report.rounds.items() if e == report.final]
+    return matches[-1] if matches else None

@@ -258,6 +258,22 @@ def uninterrupted_three_rounds(new_lr_run: Run) -> Run:
 
 
 @pytest.fixture(scope="session")
+def best_round_run(uninterrupted_three_rounds: Run) -> Run:
+    """The 3-round run again with `promote: best_round` and a KL budget that the last round
+    overran but an earlier one did not: only evaluation reruns, and it promotes an earlier round."""
+    before = json.loads(Path(uninterrupted_three_rounds.result["report_path"]).read_text())
+    kls = {int(k): e["kl_exact"] for k, e in before["rounds"].items()}
+    earlier = [kl for k, kl in kls.items() if k < 3 and kl < kls[3]]
+    assert earlier, f"no tiny round before the last had a lower KL: {kls}"
+    budget = (max(earlier) + kls[3]) / 2
+    overrides = [*THREE_ROUNDS, "evaluation.gates.promote=best_round", f"evaluation.gates.max_kl={budget}"]
+    run = run_pipeline(uninterrupted_three_rounds.folder, overrides)
+    run.notes["budget"] = budget
+    run.notes["registry"] = registry_snapshot(run.tracking_uri)
+    return run
+
+
+@pytest.fixture(scope="session")
 def crashed_run(pipeline_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """3 rounds, crashing right after round 2's first iteration was checkpointed."""
     folder = tmp_path_factory.mktemp("resume")

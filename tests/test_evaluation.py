@@ -355,6 +355,31 @@ def test_gates_pass_and_fail_with_reasons_naming_the_gate() -> None:
         GateConfig(max_kl=1.0, min_gold=0.2)  # unknown key: a typo in the config fails loudly
 
 
+def test_best_round_promotion_picks_the_best_round_inside_the_gates() -> None:
+    reference = ev(0.0, 0.30)
+    rounds = {1: ev(0.5, 0.55, kl=4.9), 2: ev(0.9, 0.68, kl=6.3), 3: ev(1.2, 0.52, kl=5.5)}
+    final_only = GateConfig(max_kl=6.0, min_gold_margin=0.1)
+    best = final_only.model_copy(update={"promote": "best_round"})
+    # `final`: the last round (KL within budget but gold below round 1) is the only candidate
+    report = build_report(reference, rounds, final=rounds[3], gates=final_only)
+    assert report.champion_round == 3 and report.gates is not None and report.gates.passed
+    # `best_round`: round 2 has the most gold but overran the KL budget; round 1 beats round 3
+    report = build_report(reference, rounds, final=rounds[3], gates=best)
+    assert report.champion_round == 1 and report.gates is not None and report.gates.passed
+    assert any(line.startswith("PASS max_kl") and "4.9000" in line for line in report.gates.checked)
+    assert "champion: round 1" in report_markdown(report)
+    # nothing passes: no champion, and the reasons are the final policy's
+    strict = best.model_copy(update={"max_kl": 4.0})
+    report = build_report(reference, rounds, final=rounds[3], gates=strict)
+    assert report.champion_round is None and report.gates is not None and not report.gates.passed
+    assert report.gates.reasons == ["max_kl: exact KL 5.5000 vs budget 4.0000 nats"]
+    # the final policy fails under `final` even though an earlier round would pass
+    report = build_report(reference, {1: rounds[1], 2: rounds[2]}, final=rounds[2], gates=final_only)
+    assert report.champion_round is None and not report.gates.passed
+    # no gates: the final policy's round
+    assert build_report(reference, rounds, final=rounds[3]).champion_round == 3
+
+
 def test_report_markdown_has_a_row_per_round_and_side_by_side_samples(ref) -> None:
     tok, sampling = tiny_tokenizer(), SamplingConfig(max_new_tokens=4)
     texts, ids = held_out(6)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -318,3 +319,18 @@ def test_bad_tracking_uri_stops_the_flow_before_any_stage(
     assert run.result is None
     assert isinstance(run.error, TrackingError) and bad in str(run.error)
     assert not (tmp_path / ".rlhf" / "tiny" / "stages").exists()
+
+
+def test_best_round_promotion_registers_an_earlier_round_as_champion(best_round_run: Run) -> None:
+    run = best_round_run
+    assert run.result is not None, f"run failed: {run.error!r}"
+    assert run.stages.pop("evaluate") == "Completed" and set(run.stages.values()) == {"Cached"}
+    report = json.loads(Path(run.result["report_path"]).read_text())
+    inside = {int(k): e["gold_reward"] for k, e in report["rounds"].items() if e["kl_exact"] <= run.notes["budget"]}
+    expected = max(sorted(inside), key=lambda k: inside[k])  # the earliest on ties
+    assert run.result["champion"] is True and run.result["champion_round"] == expected != 3
+    policy = run.notes["registry"]["tiny-policy"]
+    version = policy["aliases"]["champion"]
+    assert policy["tags"][version]["rlhf.round"] == str(expected)
+    assert policy["aliases"]["candidate"] != version  # the last round stays the candidate
+    assert run.result["champion_uri"] == f"models:/tiny-policy/{version}"

@@ -20,6 +20,7 @@ from flows.config import EvaluationConfig
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registry import set_alias
 from flows.stages.common import logger, read_prompt_file, stage_dir
+from flows.stages.register import register_policy
 from flows.tracking import TrackingContext, stage_run
 from ppo_core.data_config import PromptConfig
 from ppo_core.eval_markdown import report_markdown
@@ -55,6 +56,17 @@ def _headline(report: EvalReport) -> dict[str, float | None]:
         "win_rate_gold": final.win_rate_gold,
         "win_rate_proxy": final.win_rate_proxy,
     }
+
+
+def _promote(
+    ckpt: PolicyCheckpoint, tracking: TrackingContext, prefs: PreferenceSet, reward: RewardModelRef, reference: ReferenceRef
+) -> None:
+    """Alias the promoted round's policy `champion`; a round before the last was not registered
+    by its PPO stage, so it is registered here (a version per distinct sha256, never twice)."""
+    if ckpt.registered_name and ckpt.version:
+        set_alias(tracking.uri, ckpt.registered_name, ckpt.version, "champion")
+    else:
+        register_policy(ckpt, tracking, prefs, reward, reference, aliases=("champion",))
 
 
 @task(name="evaluate", tags=["gpu"], cache_key_fn=key_from_parameters, persist_result=True)
@@ -99,8 +111,9 @@ def evaluate(
     plot = plot_overoptimisation(report, folder / "overoptimisation.png")
     markdown = report_markdown(report)
     champion = report.gates is None or report.gates.passed
+    promoted = next((p for p in policies if p.round == report.champion_round), None) if champion else None
     result = EvalRef(
-        path=str(report_path), sha256=sha256_file(report_path), champion=champion,
+        path=str(report_path), sha256=sha256_file(report_path), champion=champion, champion_round=report.champion_round,
         gate_reasons=report.gates.reasons if report.gates else [], headline=_headline(report), plot_path=str(plot),
     )
     with stage_run(tracking, "evaluate", {"rlhf.champion": str(champion)}) as run_id:
@@ -114,9 +127,9 @@ def evaluate(
             mlflow.log_artifact(str(report_path))
             mlflow.log_artifact(str(plot), artifact_path="plots")
             mlflow.log_text(markdown, "report.md")
-            final = policies[-1]
-            if champion and final.registered_name and final.version:
-                set_alias(tracking.uri, final.registered_name, final.version, "champion")
+            if promoted is not None and settings["tracking"]["register_models"]:
+                _promote(promoted, tracking, prefs, reward, reference)
+                result.champion_model_uri = promoted.model_uri
         result.seconds = time.perf_counter() - start
         if run_id is not None:
             mlflow.log_metric("seconds", result.seconds)  # the stage's wall time (its MLflow run opens late)

@@ -16,13 +16,12 @@ import mlflow
 import torch
 from prefect import task
 from prefect.artifacts import create_table_artifact
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
-from flows.registry import register_model
 from flows.stages.common import logger, stage_dir
 from flows.stages.ppo_train import RoundJob, RoundOutput, train_round, train_round_in_processes
+from flows.stages.register import register_policy
 from flows.tracking import TrackingContext, stage_run
 from ppo_core.checkpoint import latest_checkpoint
 from ppo_core.config import DeviceConfig
@@ -51,24 +50,6 @@ def _log_samples(rows: list[dict], round_number: int, run_id: str | None) -> Non
     if run_id is not None:
         mlflow.log_table({k: [r[k] for r in rows] for k in rows[0]}, artifact_file=f"samples/round-{round_number}.json")
     create_table_artifact(table=rows, key=f"ppo-samples-round-{round_number}", description=f"PPO round {round_number}: sampled responses and scores")
-
-
-def _register(result: PolicyCheckpoint, tracking: TrackingContext, prefs: PreferenceSet, reward: RewardModelRef, reference: ReferenceRef) -> None:
-    name = f"{tracking.pipeline}-policy"
-    lineage = {
-        "rlhf.config_hash": tracking.config_hash,
-        "rlhf.preference_sha256": prefs.sha256,
-        "rlhf.reward_model_version": str(reward.version),
-        "rlhf.reference_version": str(reference.version),
-        "rlhf.round": str(result.round),
-        "prefect.flow_run_id": tracking.flow_run_id,
-    }
-    policy = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(result.path)
-    result.model_uri, result.version = register_model(
-        tracking.uri, name, policy, tokenizer, "text-generation", result.sha256, lineage, aliases=("candidate",)
-    )
-    result.registered_name = name
 
 
 @task(name="ppo_round", tags=["gpu"], cache_key_fn=key_from_parameters, persist_result=True)
@@ -118,7 +99,7 @@ def ppo_round(
                 mlflow.log_artifact(str(plot), artifact_path="plots")
             _log_samples(out.samples, round_number, run_id)
             if is_last and settings["tracking"]["register_models"]:
-                _register(result, tracking, prefs, reward, reference)
+                register_policy(result, tracking, prefs, reward, reference)
         result.seconds = time.perf_counter() - start
     logger().info("round %d done: iteration %d, policy sha256 %s, %.1fs", round_number, out.iteration, result.sha256[:12], result.seconds)
     return result
