@@ -183,8 +183,7 @@ def test_evaluation_logs_paired_gain_errors_over_tiled_samples(first_run: Run) -
     (eval_run,) = stage_child_runs(first_run, "evaluate")
     metrics = eval_run.data.metrics
     assert {"policy/gold_gain_se", "policy/gold_reward_se", "gold_gain_se"} <= set(metrics)
-    (path,) = (first_run.folder / ".rlhf" / "tiny" / "stages" / "evaluate").glob("*/report.json")
-    report = EvalReport.model_validate_json(path.read_text())
+    report = EvalReport.model_validate_json(Path(first_run.result["report_path"]).read_text())
     cfg = load_cfg().evaluation
     assert report.reference.samples_per_prompt == cfg.samples_per_prompt == 2
     assert report.final is not None and report.final.n == cfg.n_prompts
