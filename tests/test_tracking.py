@@ -333,3 +333,7 @@ def test_best_round_promotion_registers_an_earlier_round_as_champion(best_round_
     assert policy["tags"][version]["rlhf.round"] == str(expected)
     assert policy["aliases"]["candidate"] != version  # the last round stays the candidate
     assert run.result["champion_uri"] == f"models:/tiny-policy/{version}"
+    (eval_run,) = stage_child_runs(run, "evaluate")  # headline: the champion's numbers, not the last round's
+    champion = report["rounds"][str(expected)]
+    assert eval_run.data.metrics["champion_gold"] == pytest.approx(champion["gold_reward"])
+    assert eval_run.data.metrics["champion_kl_exact"] == pytest.approx(champion["kl_exact"])

@@ -46,7 +46,10 @@ def _log_eval(label: str, result: PolicyEval, step: int) -> None:
 
 def _headline(report: EvalReport) -> dict[str, float | None]:
     final = report.final or report.reference
+    champion = report.rounds.get(report.champion_round) if report.champion_round is not None else None
     return {
+        "champion_gold": champion.gold_reward if champion else None,
+        "champion_kl_exact": champion.kl_exact if champion else None,
         "reference_gold": report.reference.gold_reward,
         "final_gold": final.gold_reward,
         "reference_proxy": report.reference.proxy_reward,
