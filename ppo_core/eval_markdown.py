@@ -27,7 +27,8 @@ def _pm(value: float | None, se: float | None) -> str:
 def _gain(e: PolicyEval, ref: PolicyEval) -> str:
     if e is ref or e.gold_reward is None or ref.gold_reward is None:
         return "–"
-    return _pm(e.gold_reward - ref.gold_reward, e.gold_gain_se)
+    gain = e.gold_reward - ref.gold_reward
+    return f"{gain:+.3f}" if e.gold_gain_se is None else f"{gain:+.3f} ± {e.gold_gain_se:.3f}"
 
 
 def _row(label: str, e: PolicyEval, ref: PolicyEval) -> str:
@@ -100,7 +101,9 @@ def report_markdown(report: EvalReport) -> str:
     ]
     parts += [rounds_table(report), ""]
     shown, label = report.final, "final policy"
-    if shown is None and report.best_round is not None:
+    if report.champion_round is not None and report.final != report.rounds[report.champion_round]:
+        shown, label = report.rounds[report.champion_round], f"champion, round {report.champion_round}"
+    elif shown is None and report.best_round is not None:
         shown, label = report.rounds[report.best_round], f"round {report.best_round}"
     if shown is not None and shown.samples:
         parts += [f"## Samples ({label} vs reference)", "", samples_table(shown.samples), ""]

@@ -22,6 +22,7 @@ from ppo_core.eval_report import (
 )
 from ppo_core.eval_stats import mean_and_se, prompt_mean_and_se
 from ppo_core.evaluation import (
+    EvalSample,
     PolicyEval,
     ReferenceSample,
     evaluate_policy,
@@ -281,7 +282,7 @@ def test_several_samples_per_prompt_pair_the_gold_gain_by_prompt(ref) -> None:
     assert policy.gold_reward == pytest.approx(baseline.gold_reward)
     assert policy.gold_reward_se > 0.5 and policy.gold_gain_se == pytest.approx(0.0)
     table = rounds_table(build_report(baseline, {1: policy}, final=policy))
-    assert "| 10 x 3 |" in table and "0.000 ± 0.000" in table
+    assert "| 10 x 3 |" in table and "+0.000 ± 0.000" in table
     args = (perturbed(ref), ref, tok, texts, ids, sampling, word_sum)
     with pytest.raises(ValueError, match="different prompts"):  # drawn for 3 samples, not 1
         evaluate_policy(*args, ref_responses=reference)
@@ -357,7 +358,9 @@ def test_gates_pass_and_fail_with_reasons_naming_the_gate() -> None:
 
 def test_best_round_promotion_picks_the_best_round_inside_the_gates() -> None:
     reference = ev(0.0, 0.30)
-    rounds = {1: ev(0.5, 0.55, kl=4.9), 2: ev(0.9, 0.68, kl=6.3), 3: ev(1.2, 0.52, kl=5.5)}
+    shown = [EvalSample(prompt="p", response="round one's answer", proxy=0.5)]
+    first = ev(0.5, 0.55, kl=4.9).model_copy(update={"samples": shown})
+    rounds = {1: first, 2: ev(0.9, 0.68, kl=6.3), 3: ev(1.2, 0.52, kl=5.5)}
     final_only = GateConfig(max_kl=6.0, min_gold_margin=0.1)
     best = final_only.model_copy(update={"promote": "best_round"})
     # `final`: the last round (KL within budget but gold below round 1) is the only candidate
@@ -368,6 +371,8 @@ def test_best_round_promotion_picks_the_best_round_inside_the_gates() -> None:
     assert report.champion_round == 1 and report.gates is not None and report.gates.passed
     assert any(line.startswith("PASS max_kl") and "4.9000" in line for line in report.gates.checked)
     assert "champion: round 1" in report_markdown(report)
+    assert "## Samples (champion, round 1 vs reference)" in report_markdown(report)
+    assert "round one's answer" in report_markdown(report)
     # nothing passes: no champion, and the reasons are the final policy's
     strict = best.model_copy(update={"max_kl": 4.0})
     report = build_report(reference, rounds, final=rounds[3], gates=strict)
