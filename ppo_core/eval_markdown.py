@@ -20,15 +20,14 @@ def _cell(text: str | None) -> str:
     return flat if len(flat) <= MAX_CELL else flat[: MAX_CELL - 1] + "…"
 
 
-def _pm(value: float | None, se: float | None) -> str:
-    return _num(value) if value is None or se is None else f"{value:.3f} ± {se:.3f}"
+def _pm(value: float | None, se: float | None, fmt: str = "{:.3f}") -> str:
+    return _num(value, fmt) if value is None or se is None else f"{fmt.format(value)} ± {se:.3f}"
 
 
 def _gain(e: PolicyEval, ref: PolicyEval) -> str:
     if e is ref or e.gold_reward is None or ref.gold_reward is None:
         return "–"
-    gain = e.gold_reward - ref.gold_reward
-    return f"{gain:+.3f}" if e.gold_gain_se is None else f"{gain:+.3f} ± {e.gold_gain_se:.3f}"
+    return _pm(e.gold_reward - ref.gold_reward, e.gold_gain_se, "{:+.3f}")
 
 
 def _row(label: str, e: PolicyEval, ref: PolicyEval) -> str:

@@ -251,12 +251,10 @@ def build_report(
 def choose_champion(report: EvalReport, gates: GateConfig) -> tuple[int | None, GateResult]:
     """(promoted round or None, the gate result it was decided by); see GateConfig.promote."""
     if gates.promote == "best_round":
-        passing = {
-            k: e for k, e in report.rounds.items() if gate_result(e, report.reference, gates).passed
-        }
-        chosen = best_round(passing)
+        results = {k: gate_result(e, report.reference, gates) for k, e in report.rounds.items()}
+        chosen = best_round({k: e for k, e in report.rounds.items() if results[k].passed})
         if chosen is not None:
-            return chosen, gate_result(passing[chosen], report.reference, gates)
+            return chosen, results[chosen]
     result = gate_result(report, report.reference, gates)
     return (_final_round(report) if result.passed else None), result
 

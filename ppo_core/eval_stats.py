@@ -35,7 +35,7 @@ def score(scorer: Scorer, prompts: list[str], responses: list[str]) -> list[floa
 
 
 def win_rate(scores: Sequence[float], ref_scores: Sequence[float]) -> float:
-    """mean over prompts of 1[s > s_ref] + 0.5 * 1[s == s_ref]."""
+    """mean over paired responses of 1[s > s_ref] + 0.5 * 1[s == s_ref]."""
     if len(scores) != len(ref_scores) or not scores:
         raise ValueError(
             f"win rate needs paired, non-empty scores ({len(scores)} vs {len(ref_scores)})"
