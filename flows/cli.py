@@ -131,7 +131,7 @@ def stages(config: Path, set_: list[str] = typer.Option(None, "--set", help=SET_
     """Each stage's cache key and whether a cached result exists."""
     cfg = _load(config, set_)
     configure_environment(cfg.orchestration.work_dir)
-    from flows.inspect import stage_table
+    from flows.stage_status import stage_table
 
     for row in stage_table(cfg):
         typer.echo(f"{row['stage']:<22} {row['status']:<8} {row['key']}")

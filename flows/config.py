@@ -17,12 +17,12 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig, StrictModel
-from ppo_core.data_config import PreferencesConfig, PromptConfig, RewardModelConfig
-from ppo_core.distributed import DataParallel
-from ppo_core.eval_report import GateConfig
-from ppo_core.models import ModelSourceError, resolve_source
-from ppo_core.prompts import BUILTIN, builtin_path
-from ppo_core.records import is_local_file
+from ppo_core.data.config import PreferencesConfig, PromptConfig, RewardModelConfig
+from ppo_core.data.prompts import BUILTIN, builtin_path
+from ppo_core.data.records import is_local_file
+from ppo_core.eval.report import GateConfig
+from ppo_core.lm.distributed import DataParallel
+from ppo_core.lm.models import ModelSourceError, resolve_source
 
 ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -75,7 +75,7 @@ class PPOStageConfig(StrictModel):
     processes: int = Field(1, ge=1, le=64)
     """Data-parallel processes per round (torchrun; one per GPU, or gloo on CPU). Each rolls out
     algo.batch_size / processes responses with its own seed; the update equals one process's on
-    the same samples (ppo_core.distributed). Rank 0 logs and checkpoints."""
+    the same samples (ppo_core.lm.distributed). Rank 0 logs and checkpoints."""
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> PPOStageConfig:

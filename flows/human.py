@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flows.caching import key_from_parameters
 from flows.refs import ReferenceRef
 from flows.stages.common import logger, stage_dir, write_prompt_file
-from ppo_core.data_config import HumanPreferenceSource, PromptConfig
-from ppo_core.labelers import export_unlabeled, sample_response_groups
-from ppo_core.prompts import load_prompts, split_prompts
+from ppo_core.data.config import HumanPreferenceSource, PromptConfig
+from ppo_core.data.labelers import export_unlabeled, sample_response_groups
+from ppo_core.data.prompts import load_prompts, split_prompts
 
 Choice = Literal["a", "b", "skip"]
 

@@ -12,15 +12,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CriticModel": "ppo_core.value",
+    "CriticModel": "ppo_core.ppo.value",
     "DeviceConfig": "ppo_core.config",
     "KLConfig": "ppo_core.config",
-    "NonFiniteError": "ppo_core.trainer",
+    "NonFiniteError": "ppo_core.ppo.trainer",
     "PPOConfig": "ppo_core.config",
-    "PPOTrainer": "ppo_core.trainer",
-    "Rollout": "ppo_core.rollout",
+    "PPOTrainer": "ppo_core.ppo.trainer",
+    "Rollout": "ppo_core.lm.rollout",
     "SamplingConfig": "ppo_core.config",
-    "generate": "ppo_core.rollout",
+    "generate": "ppo_core.lm.rollout",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

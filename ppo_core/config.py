@@ -122,7 +122,7 @@ class PPOConfig(StrictModel):
     pack_sequences: bool = True
     """Scoring and update forwards run on packed rows: no pad tokens, and the prompt prefix all
     rows share (a chat template's system prompt) once per packed row instead of once per row.
-    Same math (ppo_core.packing); off, or a model packing cannot serve exactly, is the plain
+    Same math (ppo_core.lm.packing); off, or a model packing cannot serve exactly, is the plain
     forward over the padded batch."""
     seed: int = 0
     """Seed for sampling, shuffling and initialisation."""

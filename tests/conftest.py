@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
-from ppo_core.rollout import Rollout, left_pad
-from ppo_core.trainer import PPOTrainer
-from ppo_core.value import CriticModel
+from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.ppo.trainer import PPOTrainer
+from ppo_core.ppo.value import CriticModel
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

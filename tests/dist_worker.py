@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from ppo_core.config import KLConfig, PPOConfig, SamplingConfig
-from ppo_core.distributed import DataParallel, shutdown
-from ppo_core.rollout import Rollout, left_pad
-from ppo_core.trainer import PPOTrainer
-from ppo_core.value import CriticModel
+from ppo_core.lm.distributed import DataParallel, shutdown
+from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.ppo.trainer import PPOTrainer
+from ppo_core.ppo.value import CriticModel
 from tests.conftest import make_prompts
 from tests.tiny import tiny_llama, tiny_tokenizer
 

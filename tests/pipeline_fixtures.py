@@ -109,7 +109,7 @@ def run_pipeline(
 
 def stage_table_rows(folder: Path, overrides: list[str] | None = None) -> dict[str, dict[str, str]]:
     """`rlhf stages` in-process: stage label -> {key, status}."""
-    from flows.inspect import stage_table
+    from flows.stage_status import stage_table
 
     cfg = load_cfg(overrides)
     with pytest.MonkeyPatch.context() as mp:

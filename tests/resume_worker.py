@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from ppo_core.config import KLConfig, SamplingConfig
-from ppo_core.trainer import PPOTrainer
+from ppo_core.ppo.trainer import PPOTrainer
 from tests.conftest import build_trainer
 
 TOTAL_ITERATIONS = 4

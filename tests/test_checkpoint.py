@@ -1,4 +1,4 @@
-"""Checkpoints (ppo_core.checkpoint, PPOTrainer.save/load): a resumed run is the same run, and
+"""Checkpoints (ppo_core.lm.checkpoint, PPOTrainer.save/load): a resumed run is the same run, and
 a checkpoint is either complete and pointed to by `latest`, or absent."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ppo_core.trainer_state
-from ppo_core.checkpoint import (
+import ppo_core.ppo.state
+from ppo_core.lm.checkpoint import (
     LATEST,
     CheckpointWriteError,
     atomic_checkpoint,
@@ -120,7 +120,7 @@ def test_failed_trainer_save_keeps_the_previous_checkpoint_loadable(
         raise OSError("no space left on device")
 
     trainer.step()
-    monkeypatch.setattr(ppo_core.trainer_state, "save_state", broken)
+    monkeypatch.setattr(ppo_core.ppo.state, "save_state", broken)
     with pytest.raises(OSError, match="no space"):
         trainer.save(tmp_path)
     monkeypatch.undo()

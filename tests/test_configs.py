@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import load_config
-from ppo_core.models import resolve_source
+from ppo_core.lm.models import resolve_source
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 

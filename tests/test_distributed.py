@@ -1,4 +1,4 @@
-"""Data-parallel PPO (ppo_core.distributed): W gloo processes train exactly as one process does
+"""Data-parallel PPO (ppo_core.lm.distributed): W gloo processes train exactly as one process does
 on the same samples, only rank 0 writes, and the pipeline runs a round under torchrun."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_core.distributed import DataParallel
-from ppo_core.metrics import MICRO_STEP_KEYS
+from ppo_core.lm.distributed import DataParallel
+from ppo_core.ppo.metrics import MICRO_STEP_KEYS
 from tests import dist_worker
 from tests.pipeline_fixtures import PPO_STAGES, UPSTREAM, Run, load_cfg, metric_steps, run_pipeline
 

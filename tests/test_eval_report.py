@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ppo_core.eval_markdown import report_markdown
-from ppo_core.eval_report import (
+from ppo_core.eval.evaluate import EvalSample, PolicyEval
+from ppo_core.eval.markdown import report_markdown
+from ppo_core.eval.plots import plot_overoptimisation, plot_training_curves
+from ppo_core.eval.report import (
     EvalReport,
     GateConfig,
     best_round,
@@ -18,8 +20,6 @@ from ppo_core.eval_report import (
     check_gates,
     detect_reward_hacking,
 )
-from ppo_core.evaluation import EvalSample, PolicyEval
-from ppo_core.plots import plot_overoptimisation, plot_training_curves
 
 
 # ---- report: hacking flag, best round, gates ------------------------------------------------

@@ -9,12 +9,7 @@ import pytest
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.eval_markdown import report_markdown, rounds_table
-from ppo_core.eval_report import (
-    build_report,
-)
-from ppo_core.eval_stats import mean_and_se, prompt_mean_and_se
-from ppo_core.evaluation import (
+from ppo_core.eval.evaluate import (
     ReferenceSample,
     evaluate_policy,
     evaluate_reference,
@@ -23,7 +18,12 @@ from ppo_core.evaluation import (
     sequence_kl,
     win_rate,
 )
-from ppo_core.rollout import Rollout, generate, left_pad
+from ppo_core.eval.markdown import report_markdown, rounds_table
+from ppo_core.eval.report import (
+    build_report,
+)
+from ppo_core.eval.stats import mean_and_se, prompt_mean_and_se
+from ppo_core.lm.rollout import Rollout, generate, left_pad
 from tests.test_eval_report import ev
 from tests.tiny import tiny_llama, tiny_tokenizer
 

@@ -1,4 +1,4 @@
-"""GAE (ppo_core.advantages) against a plain per-sequence loop written from the paper.
+"""GAE (ppo_core.ppo.advantages) against a plain per-sequence loop written from the paper.
 
 Schulman et al. 2016, eq. (16): delta_t = r_t + gamma V_{t+1} - V_t, A_t = sum_l (gamma lam)^l
 delta_{t+l}; the state after a sequence's last valid token is terminal (V = 0), and nothing
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.advantages import gae, whiten_advantages
+from ppo_core.ppo.advantages import gae, whiten_advantages
 
 
 def reference_gae(

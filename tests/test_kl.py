@@ -1,4 +1,4 @@
-"""KL estimators and beta controllers (ppo_core.kl).
+"""KL estimators and beta controllers (ppo_core.ppo.kl).
 
 With a ~ p, log r = log p(a) - log q(a): E[k1] = E[k3] = KL(p || q) exactly (Schulman 2020), so
 sample means over many draws must land on the closed-form KL. The controller follows
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ppo_core.kl import (
+from ppo_core.ppo.kl import (
     AdaptiveKLController,
     FixedKLController,
     kl_estimate,

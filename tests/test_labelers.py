@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.data_config import PromptConfig
-from ppo_core.labelers import (
+from ppo_core.data.config import PromptConfig
+from ppo_core.data.labelers import (
     export_unlabeled,
     import_labels,
     label_pairs,

@@ -30,7 +30,7 @@ def test_no_module_under_ppo_core_imports_prefect_or_mlflow() -> None:
 
 def test_importing_ppo_core_loads_neither_at_runtime() -> None:
     code = (
-        "import sys, ppo_core, ppo_core.trainer, ppo_core.rollout;"
+        "import sys, ppo_core, ppo_core.ppo.trainer, ppo_core.lm.rollout;"
         "bad=[m for m in sys.modules if m.split('.')[0] in ('prefect','mlflow')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

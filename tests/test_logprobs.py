@@ -1,4 +1,4 @@
-"""Log-probabilities of sampled tokens (ppo_core.logprobs) and their padding invariance.
+"""Log-probabilities of sampled tokens (ppo_core.lm.logprobs) and their padding invariance.
 
 pi_theta(a_t|s_t) must be the distribution the token was drawn from (same temperature, same
 positions), whatever else shares the batch: otherwise the PPO ratio is not 1 at the first step
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.kl import kl_estimate
-from ppo_core.logprobs import position_ids_from_mask, response_logprobs, selective_log_softmax
-from ppo_core.rewards import token_rewards
-from ppo_core.rollout import Rollout, generate, left_pad
+from ppo_core.lm.logprobs import position_ids_from_mask, response_logprobs, selective_log_softmax
+from ppo_core.lm.rollout import Rollout, generate, left_pad
+from ppo_core.ppo.kl import kl_estimate
+from ppo_core.ppo.rewards import token_rewards
 from tests.conftest import make_prompts, padded_pair, tiny_gpt2
 from tests.tiny import tiny_llama
 

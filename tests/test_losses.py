@@ -1,4 +1,4 @@
-"""The PPO objective (ppo_core.losses): where the clip stops the gradient, and token averaging.
+"""The PPO objective (ppo_core.ppo.losses): where the clip stops the gradient, and token averaging.
 
 L^CLIP = E[min(rho A, clip(rho, 1-eps, 1+eps) A)] (Schulman et al. 2017, eq. 7). We minimise
 -L^CLIP, so d(-L)/d log pi = -A rho / N where the unclipped term is the active one, and exactly 0
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.losses import (
+from ppo_core.ppo.losses import (
     clipped_surrogate_loss,
     clipped_value_loss,
     entropy_from_logits,

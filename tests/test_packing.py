@@ -1,4 +1,4 @@
-"""Packed forwards (ppo_core.packing) equal plain forwards over the padded batch: outputs,
+"""Packed forwards (ppo_core.lm.packing) equal plain forwards over the padded batch: outputs,
 gradients and whole PPO iterations, for one and for several packed rows; the layout is the
 one documented; and models packing cannot serve exactly take the plain forward."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-import ppo_core.packing as packing
+import ppo_core.lm.packing as packing
 from ppo_core.config import SamplingConfig
-from ppo_core.logprobs import response_logprobs
-from ppo_core.packing import bin_rows, can_pack, pack, response_states, shared_prefix_len
-from ppo_core.tiny import tiny_llama_config
-from ppo_core.value import CriticModel
+from ppo_core.lm.logprobs import response_logprobs
+from ppo_core.lm.packing import bin_rows, can_pack, pack, response_states, shared_prefix_len
+from ppo_core.lm.tiny import tiny_llama_config
+from ppo_core.ppo.value import CriticModel
 from tests.conftest import build_trainer, count_token_score, tiny_gpt2
 from tests.tiny import tiny_llama
 

@@ -11,15 +11,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo_core.data_config import DatasetPreferenceSource, PreferenceColumns
-from ppo_core.preference_sources import split_hh
-from ppo_core.preferences import (
+from ppo_core.data.config import DatasetPreferenceSource, PreferenceColumns
+from ppo_core.data.preferences import (
     BadRowsError,
     PreferenceRow,
     load_preference_dataset,
     read_preference_set,
     write_preference_set,
 )
+from ppo_core.data.sources import split_hh
 from tests.test_prompts import chat_tokenizer
 
 HISTORY = "\n\nHuman: Hi there\n\nAssistant: Hello! How can I help?\n\nHuman: Tell me a joke\n\nAssistant:"

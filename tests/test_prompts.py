@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from ppo_core.data_config import PromptConfig
-from ppo_core.prompts import builtin_path, encode_prompts, load_prompts, split_prompts
+from ppo_core.data.config import PromptConfig
+from ppo_core.data.prompts import builtin_path, encode_prompts, load_prompts, split_prompts
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<bos> {{ m['role'] }} {{ m['content'] }} <eos> {% endfor %}"

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_core.data_config import RewardModelConfig
-from ppo_core.preferences import PreferenceRow
-from ppo_core.prompts import reward_eval_prompts
-from ppo_core.reward_model import RewardModel
-from ppo_core.reward_training import (
+from ppo_core.data.config import RewardModelConfig
+from ppo_core.data.preferences import PreferenceRow
+from ppo_core.data.prompts import reward_eval_prompts
+from ppo_core.reward.model import RewardModel
+from ppo_core.reward.training import (
     pair_scores,
     sampled_responses,
     split_reward_rows,

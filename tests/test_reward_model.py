@@ -13,11 +13,12 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertModel, BertTokenizer, PreTrainedTokenizerFast
 
-from ppo_core.data_config import RewardModelConfig
-from ppo_core.models import transformer_blocks
-from ppo_core.preferences import PreferenceRow
-from ppo_core.reward_model import RewardModel, RewardScorer, scalar_head
-from ppo_core.reward_training import (
+from ppo_core.data.config import RewardModelConfig
+from ppo_core.data.preferences import PreferenceRow
+from ppo_core.lm.models import transformer_blocks
+from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.reward.model import RewardModel, RewardScorer, scalar_head
+from ppo_core.reward.training import (
     bradley_terry_loss,
     centering_loss,
     fit_normalisation,
@@ -25,7 +26,6 @@ from ppo_core.reward_training import (
     pairwise_accuracy,
     train_reward_model,
 )
-from ppo_core.rollout import Rollout, left_pad
 from tests.tiny import WORDS, tiny_llama, tiny_tokenizer
 
 GOOD, BAD, NEUTRAL = WORDS[:5], WORDS[5:10], WORDS[20:]

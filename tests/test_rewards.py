@@ -1,4 +1,4 @@
-"""Per-token rewards (ppo_core.rewards): the score lands on the stop token, pads get nothing.
+"""Per-token rewards (ppo_core.ppo.rewards): the score lands on the stop token, pads get nothing.
 
 r_t = -beta KL_t on every valid token, plus the sequence score on the last valid token, which
 for a response that stopped is the EOS itself (the action that ended it).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.rewards import last_token_index, shape_scores, token_rewards
-from ppo_core.rollout import truncate_after_stop
+from ppo_core.lm.rollout import truncate_after_stop
+from ppo_core.ppo.rewards import last_token_index, shape_scores, token_rewards
 
 PAD, EOS = 0, 1
 

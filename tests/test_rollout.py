@@ -1,4 +1,4 @@
-"""Sampling and EOS handling (ppo_core.rollout).
+"""Sampling and EOS handling (ppo_core.lm.rollout).
 
 A response is everything up to and including the first stop token; after it come pads that
 no mask, reward or loss may see. These tests drive the real `generate` on a tiny Llama whose
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.rollout import Rollout, generate, left_pad, truncate_after_stop
+from ppo_core.lm.rollout import Rollout, generate, left_pad, truncate_after_stop
 from tests.conftest import make_prompts
 from tests.tiny import tiny_llama
 

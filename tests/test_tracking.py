@@ -178,7 +178,7 @@ def test_ppo_rounds_log_samples_and_curves(first_run: Run) -> None:
 def test_evaluation_logs_paired_gain_errors_over_tiled_samples(first_run: Run) -> None:
     """tiny.yaml samples 2 responses per held-out prompt: the report keeps prompts and samples
     apart, and the gain's paired standard error reaches MLflow and the markdown table."""
-    from ppo_core.eval_report import EvalReport
+    from ppo_core.eval.report import EvalReport
 
     (eval_run,) = stage_child_runs(first_run, "evaluate")
     metrics = eval_run.data.metrics

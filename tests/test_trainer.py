@@ -10,11 +10,11 @@ import torch
 from transformers import LlamaForCausalLM
 
 from ppo_core.config import DeviceConfig, KLConfig, PPOConfig, SamplingConfig
-from ppo_core.logprobs import response_logprobs
-from ppo_core.models import disable_dropout
-from ppo_core.tiny import tiny_llama_config
-from ppo_core.trainer import NonFiniteError, PPOTrainer
-from ppo_core.value import CriticModel
+from ppo_core.lm.logprobs import response_logprobs
+from ppo_core.lm.models import disable_dropout
+from ppo_core.lm.tiny import tiny_llama_config
+from ppo_core.ppo.trainer import NonFiniteError, PPOTrainer
+from ppo_core.ppo.value import CriticModel
 from tests.conftest import TARGET_TOKEN, build_trainer, count_token_score, make_prompts, tiny_gpt2
 from tests.tiny import tiny_llama, tiny_tokenizer
 
@@ -219,10 +219,10 @@ DOCUMENTED = [
 
 
 def test_step_emits_the_documented_metrics_through_on_metrics() -> None:
-    import ppo_core.metrics
+    import ppo_core.ppo.metrics
 
     for key in DOCUMENTED:
-        assert key in ppo_core.metrics.__doc__, key
+        assert key in ppo_core.ppo.metrics.__doc__, key
     seen: list[tuple[int, dict[str, float]]] = []
     trainer = build_trainer()
     trainer.on_metrics = lambda step, metrics: seen.append((step, dict(metrics)))

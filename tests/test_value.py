@@ -1,4 +1,4 @@
-"""The critic (ppo_core.value): V(s_t) is read at the state *before* response token t, is the
+"""The critic (ppo_core.ppo.value): V(s_t) is read at the state *before* response token t, is the
 same whatever padding shares its batch, and survives a save/load."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_core.value import CriticModel, SharedValueHead
+from ppo_core.ppo.value import CriticModel, SharedValueHead
 from tests.conftest import padded_pair, tiny_gpt2
 from tests.tiny import tiny_llama
 

@@ -1,7 +1,7 @@
 """Tiny models and tokenizers built in code, so tests never touch a hub or the network.
 
 The test vocabulary is w0..w39 (ids 4-43) so tests can name tokens by index; the builders are
-the library's own (ppo_core.tiny), which also serve `tiny:` model sources.
+the library's own (ppo_core.lm.tiny), which also serve `tiny:` model sources.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ppo_core import tiny
+from ppo_core.lm import tiny
 
 WORDS = [f"w{i}" for i in range(40)]
 SPECIALS = tiny.SPECIALS

@@ -18,19 +18,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flows.caching import key_from_parameters, sha256_file
 from flows.config import EvaluationConfig
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
+from flows.registration import register_policy
 from flows.registry import set_alias
 from flows.stages.common import logger, read_prompt_file, stage_dir
-from flows.stages.register import register_policy
 from flows.tracking import TrackingContext, stage_run
-from ppo_core.data_config import PromptConfig
-from ppo_core.eval_markdown import report_markdown
-from ppo_core.eval_report import EvalReport, build_report
-from ppo_core.evaluation import PolicyEval, evaluate_policy, evaluate_reference
-from ppo_core.labelers import load_gold_scorer
-from ppo_core.models import pick_device
-from ppo_core.plots import plot_overoptimisation
-from ppo_core.prompts import encode_prompts
-from ppo_core.reward_model import RewardModel
+from ppo_core.data.config import PromptConfig
+from ppo_core.data.labelers import load_gold_scorer
+from ppo_core.data.prompts import encode_prompts
+from ppo_core.eval.evaluate import PolicyEval, evaluate_policy, evaluate_reference
+from ppo_core.eval.markdown import report_markdown
+from ppo_core.eval.plots import plot_overoptimisation
+from ppo_core.eval.report import EvalReport, build_report
+from ppo_core.lm.models import pick_device
+from ppo_core.reward.model import RewardModel
 
 
 def _log_eval(label: str, result: PolicyEval, step: int) -> None:

@@ -4,7 +4,7 @@ A round continues the trainer state of round k-1 (policy, critic, optimisers, RN
 controller, iteration counter), so R cached rounds equal one uninterrupted run. Inside the
 round the trainer checkpoints atomically every `checkpoint_every` iterations into a folder
 named by the round's cache key: a crash resumes from the last in-round checkpoint. With
-`ppo.processes > 1` the round trains data-parallel in torchrun processes (flows.stages.ppo_train).
+`ppo.processes > 1` the round trains data-parallel in torchrun processes (flows.workers).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from prefect.artifacts import create_table_artifact
 
 from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
+from flows.registration import register_policy
 from flows.stages.common import logger, stage_dir
-from flows.stages.ppo_train import RoundJob, RoundOutput, train_round, train_round_in_processes
-from flows.stages.register import register_policy
 from flows.tracking import TrackingContext, stage_run
-from ppo_core.checkpoint import latest_checkpoint
+from flows.workers import RoundJob, RoundOutput, train_round, train_round_in_processes
 from ppo_core.config import DeviceConfig
-from ppo_core.plots import plot_training_curves
+from ppo_core.eval.plots import plot_training_curves
+from ppo_core.lm.checkpoint import latest_checkpoint
 
 
 def _train_with_oom_retry(job: RoundJob) -> RoundOutput:

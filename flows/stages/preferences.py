@@ -17,10 +17,15 @@ from flows.caching import key_from_parameters
 from flows.refs import PreferenceSet, ReferenceRef
 from flows.stages.common import logger, stage_dir, write_prompt_file
 from flows.tracking import TrackingContext, stage_run
-from ppo_core.data_config import PreferencesConfig, PromptConfig
-from ppo_core.labelers import import_labels, label_pairs, load_gold_scorer, sample_response_groups
-from ppo_core.preferences import PreferenceRow, load_preference_dataset, write_preference_set
-from ppo_core.prompts import load_prompts, split_prompts
+from ppo_core.data.config import PreferencesConfig, PromptConfig
+from ppo_core.data.labelers import (
+    import_labels,
+    label_pairs,
+    load_gold_scorer,
+    sample_response_groups,
+)
+from ppo_core.data.preferences import PreferenceRow, load_preference_dataset, write_preference_set
+from ppo_core.data.prompts import load_prompts, split_prompts
 
 
 def _collect_rows(

@@ -12,7 +12,7 @@ from flows.refs import ReferenceRef
 from flows.registry import register_model
 from flows.stages.common import fresh_tmp, logger, publish, stage_dir
 from flows.tracking import TrackingContext, stage_run
-from ppo_core.models import load_causal_lm, load_tokenizer
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
 
 @task(name="snapshot_reference", cache_key_fn=key_from_parameters, persist_result=True)

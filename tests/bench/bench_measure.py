@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ppo_core import PPOTrainer, Rollout
-from ppo_core.logprobs import position_ids_from_mask
-from ppo_core.rollout import generation_config, left_pad
+from ppo_core.lm.logprobs import position_ids_from_mask
+from ppo_core.lm.rollout import generation_config, left_pad
 
 
 # ---- measuring ------------------------------------------------------------------------
@@ -171,9 +171,9 @@ def install_profile(
 ) -> None:
     """--profile: book forwards, backward, optimizer, log-softmax and entropy time inside each
     phase, so the update splits into forward / backward / optimizer (and the plain step too)."""
-    import ppo_core.logprobs
-    import ppo_core.rollout
-    import ppo_core.trainer
+    import ppo_core.lm.logprobs
+    import ppo_core.lm.rollout
+    import ppo_core.ppo.trainer
 
     forwards = [
         (trainer.policy, "policy_forward"),
@@ -190,12 +190,12 @@ def install_profile(
         opt.step = meter.wrap("optimizer", opt.step, part=True)
     trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
     torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)
-    for module in (ppo_core.rollout, ppo_core.logprobs, ppo_core.trainer):
+    for module in (ppo_core.lm.rollout, ppo_core.lm.logprobs, ppo_core.ppo.trainer):
         module.selective_log_softmax = meter.wrap(
             "log_softmax", module.selective_log_softmax, part=True
         )
-    ppo_core.trainer.chunked_entropy = meter.wrap(
-        "entropy", ppo_core.trainer.chunked_entropy, part=True
+    ppo_core.ppo.trainer.chunked_entropy = meter.wrap(
+        "entropy", ppo_core.ppo.trainer.chunked_entropy, part=True
     )
 
 

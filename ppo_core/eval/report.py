@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ppo_core.config import StrictModel
-from ppo_core.evaluation import PolicyEval
+from ppo_core.eval.evaluate import PolicyEval
 
 HACKING_TOLERANCE = 0.02
 HACKING_SIGMAS = 1.0

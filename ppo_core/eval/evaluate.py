@@ -1,6 +1,6 @@
 """Evaluating a policy on held-out prompts: KL to the reference, proxy and gold reward, win rate.
 
-The KL to the reference (exact, k1, k3) comes from `ppo_core.eval_kl`.
+The KL to the reference (exact, k1, k3) comes from `ppo_core.eval.kl`.
 
 Win rate (AlpacaEval style): the fraction of prompts where the policy's response scores higher
 than the reference's response to the same prompt, ties counted 0.5. The reference sample is
@@ -19,10 +19,10 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import SamplingConfig, StrictModel
-from ppo_core.eval_kl import SequenceKL, exact_kl, sampled_kl, sequence_kl
-from ppo_core.eval_stats import Scorer, prompt_mean_and_se, score, win_rate
-from ppo_core.models import stop_token_ids
-from ppo_core.rollout import generate, left_pad
+from ppo_core.eval.kl import SequenceKL, exact_kl, sampled_kl, sequence_kl
+from ppo_core.eval.stats import Scorer, prompt_mean_and_se, score, win_rate
+from ppo_core.lm.models import stop_token_ids
+from ppo_core.lm.rollout import generate, left_pad
 
 __all__ = [
     "EvalSample",

@@ -30,14 +30,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from ppo_core.models import (
+from ppo_core.lm.models import (
     ModelSource,
     _pretrained_args,
     disable_dropout,
     load_tokenizer,
     resolve_source,
 )
-from ppo_core.rollout import Rollout
+from ppo_core.lm.rollout import Rollout
 
 NORMALIZATION_KEY = "reward_normalization"
 INPUT_FORMAT_KEY = "reward_input_format"
@@ -249,7 +249,7 @@ def same_tokenizer(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bo
 
 
 class RewardScorer:
-    """A `ppo_core.experience.ScoreFn` backed by a reward model.
+    """A `ppo_core.ppo.experience.ScoreFn` backed by a reward model.
 
     The prompt is the raw text `prompt_texts[rollout.prompt_index]` (never the chat-templated
     query the policy saw); the response is the masked response tokens without special tokens.

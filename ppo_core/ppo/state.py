@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ppo_core.checkpoint import (
+from ppo_core.lm.checkpoint import (
     atomic_checkpoint,
     latest_checkpoint,
     load_json,
@@ -23,10 +23,10 @@ from ppo_core.checkpoint import (
     save_json,
     save_state,
 )
-from ppo_core.weights import load_module, save_module
+from ppo_core.lm.weights import load_module, save_module
 
 if TYPE_CHECKING:
-    from ppo_core.trainer import PPOTrainer
+    from ppo_core.ppo.trainer import PPOTrainer
 
 
 def _value_module(trainer: PPOTrainer) -> torch.nn.Module:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ppo_core.eval_report import EvalReport
-from ppo_core.evaluation import EvalSample, PolicyEval
+from ppo_core.eval.evaluate import EvalSample, PolicyEval
+from ppo_core.eval.report import EvalReport
 
 MAX_CELL = 160
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ppo_core.models import trunk, unwrap_peft
+from ppo_core.lm.models import trunk, unwrap_peft
 
 HEAD_CHECK_ATTR = "_ppo_core_plain_head"
 

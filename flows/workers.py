@@ -3,7 +3,7 @@
 `ppo_round` (the Prefect task) describes the round as a `RoundJob`. With `ppo.processes == 1`
 it calls `train_round` here; otherwise it writes the job to JSON and launches
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m flows.stages.ppo_train JOB
+    python -m torch.distributed.run --standalone --nproc-per-node N -m flows.workers JOB
 
 whose every rank runs the same `train_round`. Rank 0 alone logs metrics to the task's MLflow
 run, writes the in-round checkpoints and exports the policy, so the task reads the same
@@ -27,13 +27,13 @@ from flows.faults import maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file
 from flows.tracking import MetricLogger
-from ppo_core.checkpoint import latest_checkpoint, prune_checkpoints
 from ppo_core.config import DeviceConfig
-from ppo_core.distributed import DataParallel, shutdown
-from ppo_core.prompts import encode_prompts
-from ppo_core.reward_model import RewardModel, RewardScorer
-from ppo_core.trainer import MetricsCallback, PPOTrainer
-from ppo_core.value import CriticModel
+from ppo_core.data.prompts import encode_prompts
+from ppo_core.lm.checkpoint import latest_checkpoint, prune_checkpoints
+from ppo_core.lm.distributed import DataParallel, shutdown
+from ppo_core.ppo.trainer import MetricsCallback, PPOTrainer
+from ppo_core.ppo.value import CriticModel
+from ppo_core.reward.model import RewardModel, RewardScorer
 
 
 class RoundJob(BaseModel):
@@ -172,7 +172,7 @@ def train_round_in_processes(job: RoundJob, processes: int) -> RoundOutput:
     spec.write_text(job.model_dump_json())
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "flows.stages.ppo_train", str(spec),
+        "-m", "flows.workers", str(spec),
     ]
     env = dict(os.environ)
     # a CPU rank gets an equal share of the cores (torchrun's default is 1 thread)

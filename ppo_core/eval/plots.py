@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after matplotlib.use: the backend must be chosen first
 
-from ppo_core.eval_report import EvalReport
+from ppo_core.eval.report import EvalReport
 
 DEFAULT_CURVE_KEYS = (
     "objective/scores",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import masked_mean, masked_sum, masked_var
+from ppo_core.lm.masked import masked_mean, masked_sum, masked_var
 
 
 def _token_mean(x: torch.Tensor, mask: torch.Tensor, normaliser: float | None) -> torch.Tensor:

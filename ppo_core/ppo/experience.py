@@ -11,12 +11,12 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ppo_core.advantages import gae, whiten_advantages
 from ppo_core.config import PPOConfig
-from ppo_core.kl import kl_estimate
-from ppo_core.masked import Reduce, no_reduce
-from ppo_core.rewards import shape_scores, token_rewards
-from ppo_core.rollout import Rollout
+from ppo_core.lm.masked import Reduce, no_reduce
+from ppo_core.lm.rollout import Rollout
+from ppo_core.ppo.advantages import gae, whiten_advantages
+from ppo_core.ppo.kl import kl_estimate
+from ppo_core.ppo.rewards import shape_scores, token_rewards
 
 ScoreFn = Callable[[Rollout], torch.Tensor]
 """Maps a rollout to one scalar score per response (a reward model, a gold scorer, a rule)."""
@@ -89,7 +89,7 @@ def compute_advantages(
     reduce: Reduce = no_reduce,
 ) -> Experience:
     """Score shaping -> per-token KL -> rewards -> GAE -> whitening (pure tensor math).
-    `reduce` sums whitening statistics over data-parallel ranks (ppo_core.distributed)."""
+    `reduce` sums whitening statistics over data-parallel ranks (ppo_core.lm.distributed)."""
     mask = rollout.response_mask
     maskf = mask.float()
     scores = shape_scores(raw_scores, rollout.ended, config.missing_eos_penalty, config.score_clip)

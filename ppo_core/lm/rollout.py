@@ -17,8 +17,8 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ppo_core.config import SamplingConfig
-from ppo_core.logprobs import selective_log_softmax
-from ppo_core.models import unwrap_peft
+from ppo_core.lm.logprobs import selective_log_softmax
+from ppo_core.lm.models import unwrap_peft
 
 # Keeping generation logits costs batch * new_tokens * vocab floats; above this many bytes we
 # let the caller recompute log-probs with a forward pass instead.

@@ -20,9 +20,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.data_config import DatasetPreferenceSource
-from ppo_core.preference_sources import RowError, parse_margin, to_triple
-from ppo_core.records import read_records
+from ppo_core.data.config import DatasetPreferenceSource
+from ppo_core.data.records import read_records
+from ppo_core.data.sources import RowError, parse_margin, to_triple
 
 MAX_EXAMPLES = 5
 

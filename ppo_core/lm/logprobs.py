@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ppo_core.losses import entropy_from_logits
-from ppo_core.packing import position_ids_from_mask, response_states
+from ppo_core.lm.packing import position_ids_from_mask, response_states
+from ppo_core.ppo.losses import entropy_from_logits
 
 __all__ = ["position_ids_from_mask", "response_logits", "response_logprobs", "selective_log_softmax"]
 
@@ -51,7 +51,7 @@ def response_logits(
     """Logits predicting each response token, [batch, response_len, vocab], already / temperature.
 
     Only the last response_len + 1 positions go through the LM head; with `packed` the rows
-    run without pads and with their shared prompt prefix once (ppo_core.packing).
+    run without pads and with their shared prompt prefix once (ppo_core.lm.packing).
     """
     logits, _ = response_states(model, input_ids, attention_mask, response_len + 1, True, packed, hidden=False)
     logits = logits[:, :-1, :]

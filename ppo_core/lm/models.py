@@ -70,12 +70,12 @@ def _resolve_folder(folder: Path, label: str) -> ModelSource:
 
 def resolve_source(source: str) -> ModelSource:
     """Turn a model source string into files, without loading anything (`tiny:NAME` writes a
-    tiny random model on first use; see ppo_core.tiny)."""
+    tiny random model on first use; see ppo_core.lm.tiny)."""
     if source.startswith("pkg:"):
         name = source[4:]
         return _resolve_folder(_package_dir(name), source)
     if source.startswith("tiny:"):
-        from ppo_core.tiny import materialise
+        from ppo_core.lm.tiny import materialise
 
         try:
             return ModelSource(materialise(source[5:]))

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ppo_core.kl import kl_estimate
-from ppo_core.logprobs import response_logits
-from ppo_core.masked import masked_sum
-from ppo_core.rollout import Rollout
+from ppo_core.lm.logprobs import response_logits
+from ppo_core.lm.masked import masked_sum
+from ppo_core.lm.rollout import Rollout
+from ppo_core.ppo.kl import kl_estimate
 
 
 class SequenceKL(NamedTuple):

@@ -22,18 +22,24 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
-from ppo_core.distributed import DataParallel
-from ppo_core.experience import Experience, PromptSampler, ScoreFn, compute_advantages, in_chunks
-from ppo_core.kl import kl_penalty_per_token, make_kl_controller
-from ppo_core.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
-from ppo_core.losses import clipped_surrogate_loss, clipped_value_loss, explained_variance
-from ppo_core.masked import masked_mean, masked_sum
-from ppo_core.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
-from ppo_core.models import disable_dropout, pick_device, stop_token_ids
-from ppo_core.packing import response_states
-from ppo_core.rollout import Rollout, generate, left_pad
-from ppo_core.trainer_state import checkpoint_name, load_trainer_state, save_trainer_state
-from ppo_core.value import CriticModel, SharedValueHead
+from ppo_core.lm.distributed import DataParallel
+from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
+from ppo_core.lm.masked import masked_mean, masked_sum
+from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
+from ppo_core.lm.packing import response_states
+from ppo_core.lm.rollout import Rollout, generate, left_pad
+from ppo_core.ppo.experience import (
+    Experience,
+    PromptSampler,
+    ScoreFn,
+    compute_advantages,
+    in_chunks,
+)
+from ppo_core.ppo.kl import kl_penalty_per_token, make_kl_controller
+from ppo_core.ppo.losses import clipped_surrogate_loss, clipped_value_loss, explained_variance
+from ppo_core.ppo.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
+from ppo_core.ppo.state import checkpoint_name, load_trainer_state, save_trainer_state
+from ppo_core.ppo.value import CriticModel, SharedValueHead
 
 MetricsCallback = Callable[[int, dict[str, float]], None]
 """on_metrics(iteration, metrics): how numbers leave the library (the pipeline wires it to MLflow)."""
@@ -285,7 +291,7 @@ class PPOTrainer:
         return out
 
     def _minibatch_step(self, exp: Experience, rows: torch.Tensor) -> dict[str, float]:
-        # the minibatch's token count over all ranks normalises the loss (see ppo_core.distributed)
+        # the minibatch's token count over all ranks normalises the loss (see ppo_core.lm.distributed)
         n_tokens = float(self.dp.sum(exp.mask[rows].sum()).clamp(min=1))
         acc = MetricAccumulator()
         for chunk in rows.split(self.config.effective_micro_batch_size):
@@ -362,7 +368,7 @@ class PPOTrainer:
         return history
 
     def save(self, root: str | Path) -> Path:
-        """Atomically checkpoint everything a resumed run needs (see ppo_core.trainer_state);
+        """Atomically checkpoint everything a resumed run needs (see ppo_core.ppo.state);
         with data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
         path = save_trainer_state(self, root) if self.dp.is_main else Path(root) / checkpoint_name(self.iteration)
         self.dp.barrier()

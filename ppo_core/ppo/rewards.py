@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import Reduce, masked_whiten, no_reduce
+from ppo_core.lm.masked import Reduce, masked_whiten, no_reduce
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.data_config import PromptConfig
-from ppo_core.records import read_records
+from ppo_core.data.config import PromptConfig
+from ppo_core.data.records import read_records
 
 BUILTIN = "builtin:"
 BUILTIN_FILES = {"default": "prompts.jsonl"}

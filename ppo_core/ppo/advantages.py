@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_core.masked import Reduce, masked_whiten, no_reduce
+from ppo_core.lm.masked import Reduce, masked_whiten, no_reduce
 
 
 def gae(

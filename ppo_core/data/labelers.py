@@ -35,11 +35,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import SamplingConfig
-from ppo_core.data_config import PromptConfig
-from ppo_core.models import stop_token_ids
-from ppo_core.preferences import PreferenceRow
-from ppo_core.prompts import encode_prompts
-from ppo_core.rollout import generate, left_pad
+from ppo_core.data.config import PromptConfig
+from ppo_core.data.preferences import PreferenceRow
+from ppo_core.data.prompts import encode_prompts
+from ppo_core.lm.models import stop_token_ids
+from ppo_core.lm.rollout import generate, left_pad
 
 GoldScorer = Callable[[list[str], list[str]], list[float]]
 """(prompts, responses) -> one float per response; higher is better."""

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ppo_core.models import trunk
-from ppo_core.packing import response_states
+from ppo_core.lm.models import trunk
+from ppo_core.lm.packing import response_states
 
 HEAD_FILE = "value_head.safetensors"
 

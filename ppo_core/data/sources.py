@@ -20,7 +20,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.data_config import PreferenceColumns
+from ppo_core.data.config import PreferenceColumns
 
 ASSISTANT_MARKER = "Assistant:"
 

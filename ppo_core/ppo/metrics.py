@@ -30,8 +30,8 @@ from collections import defaultdict
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.experience import Experience
-from ppo_core.masked import masked_mean, masked_sum
+from ppo_core.lm.masked import masked_mean, masked_sum
+from ppo_core.ppo.experience import Experience
 
 MICRO_STEP_KEYS = (
     "loss/policy",

@@ -1,0 +1,1 @@
+"""Evaluation: KL to the reference, proxy and gold reward, statistics, report, markdown, plots."""

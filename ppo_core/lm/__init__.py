@@ -1,0 +1,1 @@
+"""Language-model plumbing: loading, rollout, log-probs, packing, masked statistics, checkpoints, data parallelism, tiny test models."""

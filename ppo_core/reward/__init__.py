@@ -1,0 +1,1 @@
+"""The reward model r_phi: the model and scorer, Bradley-Terry training."""
