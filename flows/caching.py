@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+
+from ppo_core.lm.checkpoint import sha256_file, sha256_tree
+
+__all__ = ["STAGES", "key_from_parameters", "section_dict", "sha256_file", "sha256_tree", "stage_key"]
 
 STAGE_VERSIONS = {  # in pipeline order: --force STAGE also refreshes every stage after it
     "snapshot_reference": "1",
@@ -56,20 +59,3 @@ def stage_key(stage: str, sections: dict[str, Any], inputs: dict[str, str | None
 def key_from_parameters(context: Any, parameters: dict[str, Any]) -> str:
     """Prefect cache_key_fn: the flow computes the key and passes it as the `key` parameter."""
     return parameters["key"]
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def sha256_tree(folder: str | Path, pattern: str = "*.safetensors") -> str:
-    """Hash of the weight files in a folder (names and contents), stable across machines."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(folder).rglob(pattern)):
-        digest.update(path.relative_to(folder).as_posix().encode())
-        digest.update(sha256_file(path).encode())
-    return digest.hexdigest()

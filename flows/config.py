@@ -16,13 +16,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig, StrictModel
-from ppo_core.data.config import PreferencesConfig, PromptConfig, RewardModelConfig
+from ppo_core.config import DeviceConfig, SamplingConfig, StrictModel
+from ppo_core.data.config import PreferencesConfig, PromptConfig
 from ppo_core.data.prompts import BUILTIN, builtin_path
 from ppo_core.data.records import is_local_file
-from ppo_core.eval.report import GateConfig
+from ppo_core.eval.config import EvaluationConfig
 from ppo_core.lm.distributed import DataParallel
 from ppo_core.lm.models import ModelSourceError, resolve_source
+from ppo_core.ppo.config import PPOConfig
+from ppo_core.reward.config import RewardModelConfig
 
 ENV_PATTERN = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
@@ -81,27 +83,6 @@ class PPOStageConfig(StrictModel):
     def _batch_splits_over_processes(self) -> PPOStageConfig:
         DataParallel(0, self.processes).check_batch(self.algo.batch_size, self.algo.mini_batch_size)
         return self
-
-
-class EvaluationConfig(StrictModel):
-    """Held-out evaluation of each round and the final policy."""
-
-    n_prompts: int = Field(64, ge=1)
-    """Held-out prompts to evaluate on (at most the held-out split's size)."""
-    samples_per_prompt: int = Field(1, ge=1)
-    """Responses sampled per prompt for the reference and each policy. The standard error of a
-    gold mean falls as 1/sqrt(this) until prompt-to-prompt spread dominates; the cost grows
-    linearly (generation and exact KL)."""
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    """Sampling for evaluation responses."""
-    gold_scorer: str | None = "vader"
-    """Gold scorer ("vader" or "module:function"); None when there is none."""
-    per_round: bool = True
-    """Also evaluate every round's checkpoint (for the over-optimisation plot)."""
-    gates: GateConfig = Field(default_factory=GateConfig)
-    """Promotion gates for the `champion` alias."""
-    n_samples_shown: int = Field(4, ge=0)
-    """Sample pairs shown side by side in the report."""
 
 
 class TrackingConfig(StrictModel):

@@ -31,7 +31,8 @@ from ppo_core.config import DeviceConfig
 from ppo_core.data.prompts import encode_prompts
 from ppo_core.lm.checkpoint import latest_checkpoint, prune_checkpoints
 from ppo_core.lm.distributed import DataParallel, shutdown
-from ppo_core.ppo.trainer import MetricsCallback, PPOTrainer
+from ppo_core.ppo.metrics import MetricsCallback
+from ppo_core.ppo.trainer import PPOTrainer
 from ppo_core.ppo.value import CriticModel
 from ppo_core.reward.model import RewardModel, RewardScorer
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.data.config import PromptConfig, RewardModelConfig
+from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import label_pairs, load_gold_scorer, sample_response_groups
 from ppo_core.data.prompts import load_prompts, split_prompts
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
+from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.training import train_reward_model
 
 

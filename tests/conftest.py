@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
+from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.ppo.config import PPOConfig
 from ppo_core.ppo.trainer import PPOTrainer
 from ppo_core.ppo.value import CriticModel
 from tests.tiny import tiny_llama, tiny_tokenizer

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ppo_core.config import KLConfig, PPOConfig, SamplingConfig
+from ppo_core.config import SamplingConfig
 from ppo_core.lm.distributed import DataParallel, shutdown
 from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.ppo.config import KLConfig, PPOConfig
 from ppo_core.ppo.trainer import PPOTrainer
 from ppo_core.ppo.value import CriticModel
 from tests.conftest import make_prompts

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ppo_core.config import KLConfig, SamplingConfig
+from ppo_core.config import SamplingConfig
+from ppo_core.ppo.config import KLConfig
 from ppo_core.ppo.trainer import PPOTrainer
 from tests.conftest import build_trainer
 

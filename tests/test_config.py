@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ppo_core.config import DeviceConfig, KLConfig, PPOConfig, SamplingConfig
+from ppo_core.config import DeviceConfig, SamplingConfig
+from ppo_core.ppo.config import KLConfig, PPOConfig
 
 
 def _error(model: type, **kwargs) -> ValidationError:

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from ppo_core.eval.config import GateConfig
 from ppo_core.eval.evaluate import EvalSample, PolicyEval
 from ppo_core.eval.markdown import report_markdown
 from ppo_core.eval.plots import plot_overoptimisation, plot_training_curves
 from ppo_core.eval.report import (
     EvalReport,
-    GateConfig,
     best_round,
     build_report,
     check_gates,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ppo_core.data.config import RewardModelConfig
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import reward_eval_prompts
+from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
 from ppo_core.reward.training import (
     pair_scores,

@@ -13,10 +13,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertModel, BertTokenizer, PreTrainedTokenizerFast
 
-from ppo_core.data.config import RewardModelConfig
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.lm.models import transformer_blocks
 from ppo_core.lm.rollout import Rollout, left_pad
+from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel, RewardScorer, scalar_head
 from ppo_core.reward.training import (
     bradley_terry_loss,

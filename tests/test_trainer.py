@@ -9,10 +9,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from ppo_core.config import DeviceConfig, KLConfig, PPOConfig, SamplingConfig
+from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.logprobs import response_logprobs
 from ppo_core.lm.models import disable_dropout
 from ppo_core.lm.tiny import tiny_llama_config
+from ppo_core.ppo.config import KLConfig, PPOConfig
 from ppo_core.ppo.trainer import NonFiniteError, PPOTrainer
 from ppo_core.ppo.value import CriticModel
 from tests.conftest import TARGET_TOKEN, build_trainer, count_token_score, make_prompts, tiny_gpt2

@@ -16,7 +16,6 @@ from prefect.artifacts import create_markdown_artifact
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters, sha256_file
-from flows.config import EvaluationConfig
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import register_policy
 from flows.registry import set_alias
@@ -25,6 +24,7 @@ from flows.tracking import TrackingContext, stage_run
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer
 from ppo_core.data.prompts import encode_prompts
+from ppo_core.eval.config import EvaluationConfig
 from ppo_core.eval.evaluate import PolicyEval, evaluate_policy, evaluate_reference
 from ppo_core.eval.markdown import report_markdown
 from ppo_core.eval.plots import plot_overoptimisation

@@ -14,9 +14,10 @@ from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registry import register_model
 from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file, stage_dir
 from flows.tracking import MetricLogger, TrackingContext, stage_run
-from ppo_core.data.config import PromptConfig, RewardModelConfig
+from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer, sample_response_groups
 from ppo_core.data.preferences import read_preference_set
+from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.training import fit_normalisation, split_reward_rows
 from ppo_core.reward.training import train_reward_model as train_rm
 

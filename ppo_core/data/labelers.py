@@ -38,7 +38,7 @@ from ppo_core.config import SamplingConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import encode_prompts
-from ppo_core.lm.models import stop_token_ids
+from ppo_core.lm.models import eval_mode, stop_token_ids
 from ppo_core.lm.rollout import generate, left_pad
 
 GoldScorer = Callable[[list[str], list[str]], list[float]]
@@ -98,24 +98,22 @@ def sample_response_groups(
     stops = stop_token_ids(tokenizer, sampling.stop_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     responses: list[list[str]] = [[] for _ in prompts]
-    was_training = policy.training
-    policy.eval()
-    for start in tqdm(range(0, len(jobs), batch_size), desc="sampling responses", unit="batch"):
-        rows = jobs[start : start + batch_size]
-        query_ids, query_mask = left_pad([encoded[i] for i in rows], pad_id)
-        rollout = generate(
-            policy,
-            query_ids,
-            query_mask,
-            sampling,
-            stops,
-            tokenizer.pad_token_id,
-            want_logprobs=False,
-        )
-        for row, ids, mask in zip(rows, rollout.response_ids, rollout.response_mask, strict=True):
-            text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-            responses[row].append(text.strip())
-    policy.train(was_training)
+    with eval_mode(policy):
+        for start in tqdm(range(0, len(jobs), batch_size), desc="sampling responses", unit="batch"):
+            rows = jobs[start : start + batch_size]
+            query_ids, query_mask = left_pad([encoded[i] for i in rows], pad_id)
+            rollout = generate(
+                policy,
+                query_ids,
+                query_mask,
+                sampling,
+                stops,
+                tokenizer.pad_token_id,
+                want_logprobs=False,
+            )
+            for row, ids, mask in zip(rows, rollout.response_ids, rollout.response_mask, strict=True):
+                text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                responses[row].append(text.strip())
     return list(zip(prompts, responses, strict=True))
 
 

@@ -9,7 +9,6 @@ mapping or a wrong file, not noise.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -23,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from ppo_core.data.config import DatasetPreferenceSource
 from ppo_core.data.records import read_records
 from ppo_core.data.sources import RowError, parse_margin, to_triple
+from ppo_core.lm.checkpoint import sha256_file
 
 MAX_EXAMPLES = 5
 
@@ -133,14 +133,6 @@ def load_preference_dataset(
     return rows, dict(rejected), examples
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _atomic_target(path: Path) -> tuple[Path, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -186,7 +178,7 @@ def write_preference_set(
     rejected = dict(rejected or {})
     return PreferenceSetInfo(
         path=str(final),
-        sha256=file_sha256(final),
+        sha256=sha256_file(final),
         n_rows=len(rows),
         n_read=len(rows) + sum(rejected.values()),
         rejected=rejected,

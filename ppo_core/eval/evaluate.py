@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from ppo_core.config import SamplingConfig, StrictModel
 from ppo_core.eval.kl import SequenceKL, exact_kl, sampled_kl, sequence_kl
 from ppo_core.eval.stats import Scorer, prompt_mean_and_se, score, win_rate
-from ppo_core.lm.models import stop_token_ids
+from ppo_core.lm.models import eval_mode, module_device, stop_token_ids
 from ppo_core.lm.rollout import generate, left_pad
 
 __all__ = [
@@ -145,14 +145,12 @@ def sample_responses(
     """One sampled response per prompt, in prompt order, with a fixed seed that leaves the
     caller's RNG state untouched; with `ref`, also the per-sequence KL of each batch."""
     stops, pad = stop_token_ids(tokenizer, sampling.stop_token_ids), int(tokenizer.pad_token_id)
-    device = _device(model)
+    device = module_device(model)
     texts: list[str] = []
     lengths: list[float] = []
     ended: list[float] = []
     kls: list[SequenceKL] = []
-    was_training = model.training
-    model.eval()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for start in range(0, len(prompt_ids), batch_size):
             query_ids, query_mask = left_pad(prompt_ids[start : start + batch_size], pad)
@@ -166,13 +164,8 @@ def sample_responses(
             ended += rollout.ended.float().tolist()
             if ref is not None:
                 kls.append(sequence_kl(model, ref, rollout, sampling.temperature, chunk_size))
-    model.train(was_training)
     kl = SequenceKL(*(torch.cat([k[i].cpu() for k in kls]) for i in range(3))) if kls else None
     return Responses(texts, lengths, ended, kl)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 # ---- the two entry points -------------------------------------------------------------------

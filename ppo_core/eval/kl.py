@@ -22,6 +22,7 @@ from torch import nn
 
 from ppo_core.lm.logprobs import response_logits
 from ppo_core.lm.masked import masked_sum
+from ppo_core.lm.models import module_device
 from ppo_core.lm.rollout import Rollout
 from ppo_core.ppo.kl import kl_estimate
 
@@ -50,9 +51,9 @@ def sequence_kl(
     """
     ids, am, n = rollout.input_ids, rollout.attention_mask, rollout.response_len
     logits = response_logits(
-        policy, ids.to(_device(policy)), am.to(_device(policy)), n, temperature
+        policy, ids.to(module_device(policy)), am.to(module_device(policy)), n, temperature
     )
-    ref_logits = response_logits(ref, ids.to(_device(ref)), am.to(_device(ref)), n, temperature)
+    ref_logits = response_logits(ref, ids.to(module_device(ref)), am.to(module_device(ref)), n, temperature)
     ref_logits = ref_logits.to(logits.device)
     vocab = min(logits.shape[-1], ref_logits.shape[-1])  # padded LM heads: compare the real vocab
     flat, flat_ref = (
@@ -101,7 +102,3 @@ def sampled_kl(
     was sampled from `policy` at `temperature` without top-k / top-p."""
     kl = sequence_kl(policy, ref, rollout, temperature, chunk_size)
     return kl.k1, kl.k3
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device

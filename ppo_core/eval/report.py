@@ -19,34 +19,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ppo_core.config import StrictModel
+from ppo_core.eval.config import GateConfig
 from ppo_core.eval.evaluate import PolicyEval
 
 HACKING_TOLERANCE = 0.02
 HACKING_SIGMAS = 1.0
-
-
-class GateConfig(StrictModel):
-    """Promotion gates: the evaluated policy becomes `champion` only if every configured gate holds."""
-
-    min_gold_margin: float | None = None
-    """Gold reward must exceed the reference's by at least this much (None: no gold gate)."""
-    min_proxy_margin: float | None = None
-    """Proxy reward must exceed the reference's by at least this much (None: no proxy gate)."""
-    max_kl: float | None = Field(None, gt=0.0)
-    """Mean sequence KL to the reference (nats) must not exceed this (None: no KL budget)."""
-    kl_estimator: Literal["exact", "k1", "k3"] = "exact"
-    """Which KL estimate the budget applies to."""
-    promote: Literal["final", "best_round"] = "final"
-    """Which policy the gates decide on. `final`: the last round's. `best_round`: of the
-    evaluated rounds that pass every gate, the one with the highest gold reward (proxy without
-    gold): the checkpoint before over-optimisation or before the KL budget ran out (Gao et al.'s
-    early stopping). It is picked on the held-out prompts it is reported on, so with many
-    rounds its reported gain is slightly optimistic."""
 
 
 class GateResult(BaseModel):

@@ -8,6 +8,7 @@ Weights are safetensors; other state is JSON or torch.save read back with weight
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -115,3 +116,21 @@ def save_state(path: Path, state: Any) -> None:
 
 def load_state(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Content hash of one file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_tree(folder: str | Path, pattern: str = "*.safetensors") -> str:
+    """Hash of the weight files in a folder (names and contents), stable across machines."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).rglob(pattern)):
+        digest.update(path.relative_to(folder).as_posix().encode())
+        digest.update(sha256_file(path).encode())
+    return digest.hexdigest()

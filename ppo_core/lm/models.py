@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +217,22 @@ def disable_dropout(model: nn.Module) -> None:
         for key, value in list(vars(config).items()):
             if "dropout" in key and isinstance(value, float):
                 setattr(config, key, 0.0)
+
+
+def module_device(model: nn.Module) -> torch.device:
+    """The device a module's (first) parameters live on."""
+    return next(model.parameters()).device
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """`model.eval()` for the block, then the train/eval mode it had before."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def pick_device(requested: str = "auto") -> torch.device:

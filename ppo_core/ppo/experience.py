@@ -11,10 +11,10 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ppo_core.config import PPOConfig
 from ppo_core.lm.masked import Reduce, no_reduce
 from ppo_core.lm.rollout import Rollout
 from ppo_core.ppo.advantages import gae, whiten_advantages
+from ppo_core.ppo.config import PPOConfig
 from ppo_core.ppo.kl import kl_estimate
 from ppo_core.ppo.rewards import shape_scores, token_rewards
 

@@ -26,12 +26,16 @@ throughput/generated_tokens_per_s, throughput/tokens_per_s
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.ppo.experience import Experience
+
+MetricsCallback = Callable[[int, dict[str, float]], None]
+"""on_metrics(step, metrics): how numbers leave the library (the pipeline wires it to MLflow)."""
 
 MICRO_STEP_KEYS = (
     "loss/policy",

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ppo_core.config import DeviceConfig, PPOConfig, SamplingConfig
+from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.distributed import DataParallel
 from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
 from ppo_core.lm.rollout import Rollout, generate, left_pad
+from ppo_core.ppo.config import PPOConfig
 from ppo_core.ppo.experience import (
     Experience,
     PromptSampler,
@@ -37,12 +38,15 @@ from ppo_core.ppo.experience import (
 )
 from ppo_core.ppo.kl import kl_penalty_per_token, make_kl_controller
 from ppo_core.ppo.losses import clipped_surrogate_loss, clipped_value_loss, explained_variance
-from ppo_core.ppo.metrics import MICRO_STEP_KEYS, MetricAccumulator, rollout_metrics, sample_table
+from ppo_core.ppo.metrics import (
+    MICRO_STEP_KEYS,
+    MetricAccumulator,
+    MetricsCallback,
+    rollout_metrics,
+    sample_table,
+)
 from ppo_core.ppo.state import checkpoint_name, load_trainer_state, save_trainer_state
 from ppo_core.ppo.value import CriticModel, SharedValueHead
-
-MetricsCallback = Callable[[int, dict[str, float]], None]
-"""on_metrics(iteration, metrics): how numbers leave the library (the pipeline wires it to MLflow)."""
 
 
 class PolicyOutput(NamedTuple):

@@ -34,6 +34,7 @@ from ppo_core.lm.models import (
     ModelSource,
     _pretrained_args,
     disable_dropout,
+    eval_mode,
     load_tokenizer,
     resolve_source,
 )
@@ -218,13 +219,11 @@ class RewardModel(nn.Module):
         """Scores [N] on the CPU, in batches."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
-        was_training = self.model.training
-        self.model.eval()
-        out = [
-            self.raw_scores(prompts[s : s + batch_size], responses[s : s + batch_size]).cpu()
-            for s in range(0, len(prompts), batch_size)
-        ]
-        self.model.train(was_training)
+        with eval_mode(self.model):
+            out = [
+                self.raw_scores(prompts[s : s + batch_size], responses[s : s + batch_size]).cpu()
+                for s in range(0, len(prompts), batch_size)
+            ]
         raw = torch.cat(out) if out else torch.zeros(0)
         return self.normalise(raw) if normalised else raw
 
@@ -233,13 +232,11 @@ class RewardModel(nn.Module):
         self, sequences: Sequence[Sequence[int]], batch_size: int = 32, normalised: bool = True
     ) -> torch.Tensor:
         """Scores of already tokenised prompt+response sequences (causal format only)."""
-        was_training = self.model.training
-        self.model.eval()
-        out = [
-            self.forward(self.pad_sequences(sequences[s : s + batch_size])).cpu()
-            for s in range(0, len(sequences), batch_size)
-        ]
-        self.model.train(was_training)
+        with eval_mode(self.model):
+            out = [
+                self.forward(self.pad_sequences(sequences[s : s + batch_size])).cpu()
+                for s in range(0, len(sequences), batch_size)
+            ]
         raw = torch.cat(out) if out else torch.zeros(0)
         return self.normalise(raw) if normalised else raw
 

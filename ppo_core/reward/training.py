@@ -18,14 +18,13 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
-from ppo_core.data.config import RewardModelConfig
 from ppo_core.data.labelers import GoldScorer
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import reward_eval_prompts
 from ppo_core.lm.models import freeze_below_top_blocks, pick_device
+from ppo_core.ppo.metrics import MetricsCallback
+from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
-
-MetricsCallback = Callable[[int, dict[str, float]], None]
 
 
 class RewardTrainReport(BaseModel):
