@@ -25,7 +25,7 @@ from tests.conftest import build_trainer
 TOTAL_ITERATIONS = 4
 
 
-def make_resume_trainer() -> PPOTrainer:
+def make_resume_trainer(critic: str = "separate") -> PPOTrainer:
     """Adaptive KL and a linear LR schedule, so a resume that lost their state would drift."""
     return build_trainer(
         sampling=SamplingConfig(max_new_tokens=6),
@@ -37,6 +37,7 @@ def make_resume_trainer() -> PPOTrainer:
         total_iterations=TOTAL_ITERATIONS,
         kl=KLConfig(init_coef=0.1, target=0.5, horizon=50),
         seed=7,
+        critic=critic,
     )
 
 

@@ -1,27 +1,36 @@
-"""Checkpoints (ppo_core.lm.checkpoint, PPOTrainer.save/load): a resumed run is the same run, and
-a checkpoint is either complete and pointed to by `latest`, or absent."""
+"""Checkpoints (ppo_core.lm.checkpoint, PPOTrainer.state_dict/load_state_dict/save/load): a resumed
+run is the same run, a checkpoint is either complete and pointed to by `latest`, or absent, and
+reading one back executes no code."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import pickle
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
-import ppo_core.ppo.state
+import ppo_core.lm.checkpoint
 from ppo_core.lm.checkpoint import (
     LATEST,
     CheckpointWriteError,
     atomic_checkpoint,
     latest_checkpoint,
     prune_checkpoints,
+    read_checkpoint,
+    write_checkpoint,
 )
+from ppo_core.lm.tiny import tiny_llama_config
 from tests.resume_worker import TOTAL_ITERATIONS, make_resume_trainer, policy_state
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,9 +128,15 @@ def test_failed_trainer_save_keeps_the_previous_checkpoint_loadable(
     def broken(*_args, **_kwargs) -> None:
         raise OSError("no space left on device")
 
+    # the documented layout: module weights as safetensors, the rest JSON or weights-only torch.save
+    assert {p.name for p in (tmp_path / "iter-000001").iterdir()} == {
+        "policy.safetensors", "value.safetensors", "optim.pt", "rng.pt", "trainer.json"
+    }
+
     trainer.step()
-    monkeypatch.setattr(ppo_core.ppo.state, "save_state", broken)
-    with pytest.raises(OSError, match="no space"):
+    # the disk fills after the weights were written, at the first torch.save (the optimizer state)
+    monkeypatch.setattr(ppo_core.lm.checkpoint, "save_state", broken)
+    with pytest.raises(CheckpointWriteError, match=r"no space left on device\. [0-9.]+ GiB free"):
         trainer.save(tmp_path)
     monkeypatch.undo()
 
@@ -148,3 +163,93 @@ def test_keep_last_prunes_old_checkpoints_and_empty_root_loads_nothing(tmp_path:
     prune_checkpoints(tmp_path, keep_last=1)
     assert {p.name for p in tmp_path.iterdir()} == {LATEST, "iter-000004", "iter-000009"}
     prune_checkpoints(tmp_path / "empty", keep_last=1)  # no checkpoints: nothing to do
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_state_dict_into_a_fresh_trainer_takes_the_same_next_step(critic: str) -> None:
+    trainer = make_resume_trainer(critic=critic)
+    trainer.train(1)
+    snapshot = copy.deepcopy(trainer.state_dict())  # live tensors, as nn.Module.state_dict's
+    # two steps: the LR schedule's restored position only shows in the second step's LR
+    expected = [_comparable(trainer.step()) for _ in range(2)]
+    expected_weights = {**policy_state(trainer), **_value_state(trainer)}
+
+    fresh = make_resume_trainer(critic=critic)
+    # what the snapshot must restore differs in a fresh trainer
+    assert fresh.iteration == 0 and fresh.kl_ctl.value != snapshot["trainer"]["kl_controller"]["value"]
+    assert not fresh.optimizers[0].state and fresh.optimizers[0].param_groups[0]["lr"] != expected[0]["lr"]
+    random.random()  # python's RNG (no PPO step draws from it; user code may) moves on...
+    fresh.load_state_dict(snapshot)
+    assert random.getstate() == snapshot["rng"]["python"]  # ...and is restored
+    got = [_comparable(fresh.step()) for _ in range(2)]
+
+    assert fresh.iteration == trainer.iteration == 3
+    assert got == expected  # bit for bit: same process, same operations
+    got_weights = {**policy_state(fresh), **_value_state(fresh)}
+    assert got_weights.keys() == expected_weights.keys()
+    for key, tensor in expected_weights.items():
+        assert torch.equal(got_weights[key], tensor), key
+
+
+def _value_state(trainer) -> dict[str, torch.Tensor]:
+    return {f"value.{k}": v.detach().clone() for k, v in trainer.value_module.state_dict().items()}
+
+
+def test_tied_and_shared_tensors_round_trip_through_safetensors(tmp_path: Path) -> None:
+    config = tiny_llama_config()
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in SmolLM2
+    base = torch.arange(16.0)
+    views = {"whole": base, "same": base, "reshaped": base.view(4, 4), "slice": base[2:6], "strided": base[::2]}
+    folder = write_checkpoint(tmp_path, "iter-000001", {"policy": model.state_dict(), "views": views})
+
+    with safe_open(str(folder / "policy.safetensors"), framework="pt") as handle:
+        stored = set(handle.keys())
+        aliases = json.loads(handle.metadata()["aliases"])
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert stored == set(model.state_dict()) - {"lm_head.weight"}  # the tied matrix is stored once
+
+    state = read_checkpoint(tmp_path)
+    fresh = LlamaForCausalLM(config)
+    assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    fresh.load_state_dict(state["policy"], strict=True)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], tensor), key
+    assert state["views"].keys() == views.keys()
+    for key, tensor in views.items():
+        assert torch.equal(state["views"][key], tensor), key
+
+
+class _RunsCode:
+    """A pickle that calls os.makedirs(path) when it is unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.path),))
+
+
+def test_reading_a_checkpoint_never_unpickles_code(tmp_path: Path) -> None:
+    marker = tmp_path / "code-ran"
+    state = {"rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, "n": 1}
+    folder = write_checkpoint(tmp_path / "ckpt", "iter-000001", state)
+    assert {p.name for p in folder.iterdir()} == {"rng.pt", "n.json"}
+    torch.save({"torch": _RunsCode(marker)}, folder / "rng.pt")  # a tampered checkpoint
+
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        read_checkpoint(tmp_path / "ckpt")
+    assert not marker.exists()
+    # the payload is real: a full unpickler would have run it
+    torch.load(folder / "rng.pt", weights_only=False)
+    assert marker.is_dir()
+
+
+def test_read_checkpoint_is_none_without_a_checkpoint(tmp_path: Path) -> None:
+    assert read_checkpoint(tmp_path / "missing") is None
+    (tmp_path / "root").mkdir()
+    assert read_checkpoint(tmp_path / "root") is None
+    with pytest.raises(ValueError, match="entry names"):
+        write_checkpoint(tmp_path / "root", "iter-000001", {"../escape": 1})

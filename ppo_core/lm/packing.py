@@ -166,9 +166,10 @@ def plain_head(model: nn.Module) -> bool:
 
 
 def pack_budget(model: nn.Module, longest: int) -> int:
-    """Tokens per packed row. Attention over a packed row grows with its length squared while
-    the linear layers grow linearly: on SmolLM2-135M (hidden 576) rows of 400-600 tokens were
-    fastest, a quarter faster than the padded batch (tests/bench/README.md)."""
+    """Tokens per packed row: the model's hidden size, or the longest row if that is longer.
+    Per token, attention over a packed row costs in proportion to the row's length and the linear
+    layers in proportion to the hidden size, so this budget keeps the first from outgrowing the
+    second (measurements: tests/bench/README.md)."""
     return max(longest, int(unwrap_peft(model).config.hidden_size))
 
 

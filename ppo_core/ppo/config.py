@@ -21,9 +21,10 @@ class KLConfig(StrictModel):
     target: float | None = Field(None, gt=0.0)
     """Target sequence KL (nats) for the adaptive controller of Ziegler et al. 2019; None keeps beta fixed."""
     horizon: int = Field(10000, gt=0)
-    """Adaptive controller horizon, in samples: beta moves by at most 20% x batch_size / horizon
-    per iteration, so Ziegler's 10,000 barely moves it in a run of a few hundred samples; use a
-    few batches' worth there."""
+    """Adaptive controller horizon, in samples (the default is Ziegler et al.'s): beta moves by at
+    most 20% x batch_size / horizon per iteration, so by at most a factor exp(0.2 N / horizon)
+    over N samples. A run much shorter than the horizon leaves beta near init_coef; give such a
+    run a horizon of a few batches."""
     in_reward: bool = True
     """True: -beta*KL_t is added to every token's reward (InstructGPT). False: beta*KL is a loss term."""
 

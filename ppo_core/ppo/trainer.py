@@ -15,13 +15,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, SamplingConfig
+from ppo_core.lm.checkpoint import checkpoint_name, read_checkpoint, write_checkpoint
 from ppo_core.lm.distributed import DataParallel
 from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
 from ppo_core.lm.masked import masked_mean, masked_sum
@@ -45,7 +46,6 @@ from ppo_core.ppo.metrics import (
     rollout_metrics,
     sample_table,
 )
-from ppo_core.ppo.state import checkpoint_name, load_trainer_state, save_trainer_state
 from ppo_core.ppo.value import CriticModel, SharedValueHead
 
 
@@ -67,18 +67,10 @@ class PPOTrainer:
     """
 
     def __init__(
-        self,
-        config: PPOConfig,
-        sampling: SamplingConfig,
-        policy: nn.Module,
-        ref_model: nn.Module | None,
-        critic: CriticModel | None,
-        tokenizer: PreTrainedTokenizerBase,
-        score_fn: ScoreFn,
-        prompts: Sequence[Sequence[int]],
-        device: DeviceConfig | None = None,
-        on_metrics: MetricsCallback | None = None,
-        parallel: DataParallel | None = None,
+        self, config: PPOConfig, sampling: SamplingConfig, policy: nn.Module, ref_model: nn.Module | None,
+        critic: CriticModel | None, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn,
+        prompts: Sequence[Sequence[int]], device: DeviceConfig | None = None,
+        on_metrics: MetricsCallback | None = None, parallel: DataParallel | None = None,
     ) -> None:
         self.config, self.sampling, self.tokenizer = config, sampling, tokenizer
         self.dp = parallel or DataParallel()
@@ -115,7 +107,7 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
         self.iteration = 0
         self.consecutive_skips = 0
-        self.dp.broadcast_parameters((self.policy, self.critic, self.shared_head))
+        self.dp.broadcast_parameters((self.policy, self.value_module))
         self._seed_rank()
         self.last_experience: Experience | None = None
 
@@ -123,9 +115,13 @@ class PPOTrainer:
     def _hidden_size(self) -> int:
         return int(self.policy.config.hidden_size)
 
+    @property
+    def value_module(self) -> nn.Module:
+        """The module that holds the value weights: the separate critic, else the shared head."""
+        return self.critic if self.critic is not None else self.shared_head
+
     def _value_params(self) -> list[nn.Parameter]:
-        module = self.critic if self.critic is not None else self.shared_head
-        return [p for p in module.parameters() if p.requires_grad]
+        return [p for p in self.value_module.parameters() if p.requires_grad]
 
     def _make_optimizers(self) -> list[torch.optim.Optimizer]:
         cfg = self.config
@@ -184,18 +180,12 @@ class PPOTrainer:
         metrics = rollout_metrics(exp, beta, raw_scores, kl_in_reward=self.config.kl.in_reward)
         metrics.update(update)
         tokens = int(exp.rollout.attention_mask.sum())
-        metrics.update(
-            {
-                "lr": lr,
-                "time/rollout": t1 - t0,
-                "time/score": t2 - t1,
-                "time/forward": t3 - t2,
-                "time/update": t4 - t3,
-                "time/iteration": t4 - t0,
-                "throughput/generated_tokens_per_s": float(exp.mask.sum()) / max(t1 - t0, 1e-9),
-                "throughput/tokens_per_s": tokens * (1 + self.config.ppo_epochs) / max(t4 - t0, 1e-9),
-            }
-        )
+        metrics.update({
+            "lr": lr, "time/rollout": t1 - t0, "time/score": t2 - t1, "time/forward": t3 - t2,
+            "time/update": t4 - t3, "time/iteration": t4 - t0,
+            "throughput/generated_tokens_per_s": float(exp.mask.sum()) / max(t1 - t0, 1e-9),
+            "throughput/tokens_per_s": tokens * (1 + self.config.ppo_epochs) / max(t4 - t0, 1e-9),
+        })
         metrics = self.dp.mean_floats(metrics)  # the update's are already global; rollouts' per rank
         if self.on_metrics is not None:
             self.on_metrics(self.iteration, metrics)
@@ -207,14 +197,8 @@ class PPOTrainer:
         query_ids, query_mask = left_pad([self.prompts[i] for i in indices], self.pad_id)
         with self._autocast():
             rollout = generate(
-                self.policy,
-                query_ids,
-                query_mask,
-                self.sampling,
-                self.stop_ids,
-                self.pad_id,
-                want_logprobs=self.config.logprobs_from_generation,
-                chunk_size=self.config.logprob_chunk_size,
+                self.policy, query_ids, query_mask, self.sampling, self.stop_ids, self.pad_id,
+                want_logprobs=self.config.logprobs_from_generation, chunk_size=self.config.logprob_chunk_size,
             )
         rollout.prompt_index = torch.tensor(indices, device=rollout.query_ids.device)
         return rollout.trimmed()
@@ -241,14 +225,8 @@ class PPOTrainer:
                 values.append(self._values(ids, am, n, hidden))
         mask = rollout.response_mask.float()
         return compute_advantages(
-            cfg,
-            rollout,
-            raw_scores,
-            torch.cat(old) * mask,
-            torch.cat(ref) * mask,
-            torch.cat(values).float() * mask,
-            self.kl_ctl.value,
-            reduce=self.dp.sum,
+            cfg, rollout, raw_scores, torch.cat(old) * mask, torch.cat(ref) * mask,
+            torch.cat(values).float() * mask, self.kl_ctl.value, reduce=self.dp.sum,
         )
 
     def _policy_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> PolicyOutput:
@@ -346,9 +324,7 @@ class PPOTrainer:
         loss.backward()
         share = float(mask.sum()) / n_tokens
         return {
-            "loss/policy": pg_loss.item(),
-            "loss/value": vf_loss.item(),
-            "loss/total": loss.item(),
+            "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "loss/total": loss.item(),
             "policy/approxkl": pg["approxkl"].item() * share,
             "policy/clipfrac": pg["clipfrac"].item() * share,
             "policy/ratio_mean": pg["ratio_mean"].item() * share,
@@ -371,15 +347,53 @@ class PPOTrainer:
                 self.save(checkpoint_dir)
         return history
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit, one entry per checkpoint file.
+        As with nn.Module.state_dict the tensors are the live ones: deepcopy for a snapshot."""
+        return {
+            "policy": self.policy.state_dict(),
+            "value": self.value_module.state_dict(),  # the critic, or the shared value head
+            "optim": {"optimizers": [opt.state_dict() for opt in self.optimizers],
+                      "schedulers": [sched.state_dict() for sched in self.schedulers]},
+            "rng": {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "trainer": {"iteration": self.iteration, "consecutive_skips": self.consecutive_skips,
+                        "kl_controller": self.kl_ctl.state_dict()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; with data parallelism every rank then reseeds its sampling
+        (the state holds rank 0's RNG, which the other ranks must not replay)."""
+        self.policy.load_state_dict(state["policy"])
+        self.value_module.load_state_dict(state["value"])
+        for opt, opt_state in zip(self.optimizers, state["optim"]["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(self.schedulers, state["optim"]["schedulers"], strict=True):
+            sched.load_state_dict(sched_state)
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.shuffle_gen.set_state(rng["shuffle"])
+        random.setstate(rng["python"])
+        meta = state["trainer"]
+        self.iteration, self.consecutive_skips = int(meta["iteration"]), int(meta["consecutive_skips"])
+        self.kl_ctl.load_state_dict(meta["kl_controller"])
+        self._seed_rank()
+
     def save(self, root: str | Path) -> Path:
-        """Atomically checkpoint everything a resumed run needs (see ppo_core.ppo.state);
-        with data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
-        path = save_trainer_state(self, root) if self.dp.is_main else Path(root) / checkpoint_name(self.iteration)
+        """Atomically checkpoint `state_dict()` as root/iter-NNNNNN (ppo_core.lm.checkpoint); with
+        data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
+        name = checkpoint_name(self.iteration)
+        if self.dp.is_main:
+            write_checkpoint(root, name, self.state_dict())
         self.dp.barrier()
-        return path
+        return Path(root) / name
 
     def load(self, root_or_folder: str | Path) -> bool:
         """Restore from a checkpoint folder or a root with `latest`; False when there is none."""
-        loaded = load_trainer_state(self, root_or_folder)
-        self._seed_rank()  # the checkpoint holds rank 0's RNG; other ranks must not replay it
-        return loaded
+        state = read_checkpoint(root_or_folder, self.device)
+        if state is None:
+            return False
+        self.load_state_dict(state)
+        return True
