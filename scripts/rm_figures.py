@@ -119,7 +119,7 @@ def main() -> None:
         "collect_seconds": round(collect_seconds, 1),
         "rm_train_seconds": round(report.seconds, 1),
         "rm_final_step": last,
-        **report.model_dump(),
+        **report.model_dump(exclude={"gain", "bias"}),  # not normalised here: 1 and 0
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     print(json.dumps(summary, indent=2))

@@ -17,8 +17,8 @@ from ppo_core.eval.report import (
     EvalReport,
     best_round,
     build_report,
-    check_gates,
     detect_reward_hacking,
+    gate_result,
 )
 
 
@@ -66,24 +66,27 @@ def test_report_names_best_round_and_flags_hacking_after_the_gold_peak() -> None
 
 def test_gates_pass_and_fail_with_reasons_naming_the_gate() -> None:
     reference, policy = ev(0.0, 0.10), ev(0.8, 0.40, kl=5.0)
-    ok, reasons = check_gates(
+    result = gate_result(
         policy, reference, GateConfig(min_gold_margin=0.25, min_proxy_margin=0.5, max_kl=6.0)
     )
-    assert ok and reasons == []
-    ok, reasons = check_gates(policy, reference, GateConfig(min_gold_margin=0.35, max_kl=6.0))
-    assert not ok and len(reasons) == 1 and reasons[0].startswith("min_gold_margin")
+    assert result.passed and result.reasons == []
+    result = gate_result(policy, reference, GateConfig(min_gold_margin=0.35, max_kl=6.0))
+    assert not result.passed and len(result.reasons) == 1
+    assert result.reasons[0].startswith("min_gold_margin")
     # exact KL 5.0, k3 4.5, k1 5.5: the budget applies to the configured estimator
-    ok, reasons = check_gates(policy, reference, GateConfig(max_kl=4.8, kl_estimator="k3"))
-    assert ok
-    ok, reasons = check_gates(policy, reference, GateConfig(max_kl=4.8, kl_estimator="k1"))
-    assert not ok and reasons[0].startswith("max_kl") and "k1" in reasons[0]
-    ok, reasons = check_gates(
+    result = gate_result(policy, reference, GateConfig(max_kl=4.8, kl_estimator="k3"))
+    assert result.passed
+    result = gate_result(policy, reference, GateConfig(max_kl=4.8, kl_estimator="k1"))
+    assert not result.passed and result.reasons[0].startswith("max_kl") and "k1" in result.reasons[0]
+    result = gate_result(
         ev(0.8, None), ev(0.0, None), GateConfig(min_gold_margin=0.1, min_proxy_margin=1.0)
     )
-    assert not ok and [r.split(":")[0] for r in reasons] == ["min_gold_margin", "min_proxy_margin"]
+    assert not result.passed
+    assert [r.split(":")[0] for r in result.reasons] == ["min_gold_margin", "min_proxy_margin"]
     report = build_report(reference, {1: policy}, final=policy, gates=GateConfig(max_kl=1.0))
     assert report.gates is not None and not report.gates.passed
-    assert check_gates(report, None, GateConfig(max_kl=6.0)) == (True, [])
+    result = gate_result(report, None, GateConfig(max_kl=6.0))
+    assert (result.passed, result.reasons) == (True, [])
     with pytest.raises(ValidationError):
         GateConfig(max_kl=1.0, min_gold=0.2)  # unknown key: a typo in the config fails loudly
 

@@ -13,8 +13,6 @@ from ppo_core.eval.evaluate import (
     ReferenceSample,
     evaluate_policy,
     evaluate_reference,
-    exact_kl,
-    sampled_kl,
     sequence_kl,
     win_rate,
 )
@@ -82,7 +80,7 @@ def test_exact_kl_is_zero_for_the_reference_itself_and_positive_after_a_perturba
     for value in kl:
         torch.testing.assert_close(value, torch.zeros(3), atol=1e-6, rtol=0)
     moved = perturbed(ref)
-    kl_moved = exact_kl(moved, ref, sample(moved, prompts))
+    kl_moved = sequence_kl(moved, ref, sample(moved, prompts)).exact
     assert (kl_moved > 1e-3).all(), kl_moved
 
 
@@ -105,30 +103,32 @@ def test_exact_kl_matches_a_brute_force_full_softmax(ref) -> None:
     responses = [[20, 21, 22, EOS], [23, 24], [25, EOS]]
     rollout = hand_rollout(prompts, responses)
     # chunk_size 5 does not divide the 3 x 4 = 12 token rows: the chunk boundaries are exercised
-    got = exact_kl(policy, ref, rollout, temperature=0.7, chunk_size=5)
+    got = sequence_kl(policy, ref, rollout, temperature=0.7, chunk_size=5).exact
     want = torch.tensor(
         [brute_force_kl(policy, ref, p, r, 0.7) for p, r in zip(prompts, responses, strict=True)]
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and the sampled estimators use the same log-probs: k1 = sum log pi(a_t) - log pi_ref(a_t)
-    k1, k3 = sampled_kl(policy, ref, rollout, temperature=0.7)
+    kl = sequence_kl(policy, ref, rollout, temperature=0.7)
+    k1, k3 = kl.k1, kl.k3
     assert (k3 >= 0).all() and not torch.allclose(k1, got)
 
 
 def test_exact_kl_ignores_tokens_after_eos_and_is_padding_invariant(ref) -> None:
     policy = perturbed(ref, 0.2)
     short_prompt, short_response = [5, 6], [20, 21, EOS]
-    alone = exact_kl(policy, ref, hand_rollout([short_prompt], [short_response]))
+    alone = sequence_kl(policy, ref, hand_rollout([short_prompt], [short_response])).exact
     # beside a longer prompt (left padding) and a longer response (right padding + junk tokens)
     both = hand_rollout(
         [short_prompt, [7, 8, 9, 10, 11, 12]], [short_response, [22, 23, 24, 25, 26, 27, EOS]]
     )
-    beside = exact_kl(policy, ref, both)
+    beside = sequence_kl(policy, ref, both).exact
     torch.testing.assert_close(beside[0], alone[0], atol=1e-5, rtol=1e-5)
     # changing what sits after EOS (masked) changes nothing
     other_junk = hand_rollout([short_prompt], [short_response], width=6)
     other_junk.response_ids[0, 3:] = torch.tensor([30, 31, 32])
-    torch.testing.assert_close(exact_kl(policy, ref, other_junk), alone, atol=1e-5, rtol=1e-5)
+    junk_kl = sequence_kl(policy, ref, other_junk).exact
+    torch.testing.assert_close(junk_kl, alone, atol=1e-5, rtol=1e-5)
     assert float(beside[1]) > float(alone[0])  # the longer row does count its own tokens
 
 

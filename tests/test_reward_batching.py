@@ -16,7 +16,6 @@ from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
 from ppo_core.reward.training import (
     pair_scores,
-    sampled_responses,
     split_reward_rows,
     train_reward_model,
     training_units,
@@ -110,16 +109,3 @@ def test_held_out_rm_pairs_leave_truncations_out_training_keeps_them() -> None:
     assert not any(r.metadata.get("truncated") for r in held_out) and len(held_out) == len(held)
     assert sum(bool(r.metadata.get("truncated")) for r in train) == len(prompts) - len(held)
 
-
-def test_normalisation_sees_each_sampled_response_once_and_no_truncation() -> None:
-    rows = [
-        PreferenceRow(prompt="p", chosen="a b c", rejected="x y z"),
-        PreferenceRow(prompt="p", chosen="a b c", rejected="u v w"),
-        PreferenceRow(prompt="q", chosen="a b c", rejected="x y z"),
-        PreferenceRow(prompt="p", chosen="a b", rejected="x y z", metadata={"truncated": True}),
-    ]
-    assert sampled_responses(rows) == (
-        ["p", "p", "p", "q", "q"], ["a b c", "x y z", "u v w", "a b c", "x y z"]
-    )
-    only_truncated = rows[3:]  # nothing else there: use what there is
-    assert sampled_responses(only_truncated) == (["p", "p"], ["a b", "x y z"])

@@ -148,9 +148,15 @@ def test_tiny_rm_learns_separable_preferences(tmp_path: Path, kind: str) -> None
     assert {"rm/loss", "rm/accuracy", "rm/margin"} <= set(seen[0][1])
     assert seen[-1][1]["rm/loss"] < seen[0][1]["rm/loss"]
     assert seen[-1][1]["rm/lr"] < 0.03 * cfg.learning_rate  # annealed towards zero
-    # normalised on the training responses: mean 0, std 1 there
+    # training does not normalise (callers fit it on reference samples): raw scale, 1 and 0
+    assert (rm.gain, rm.bias) == (report.gain, report.bias) == (1.0, 0.0)
     prompts = [r.prompt for r in train] * 2
-    scores = rm.score(prompts, [r.chosen for r in train] + [r.rejected for r in train])
+    responses = [r.chosen for r in train] + [r.rejected for r in train]
+    raw = rm.score(prompts, responses)
+    assert torch.equal(raw, rm.score(prompts, responses, normalised=False))
+    # fitted afterwards on those responses: mean 0, std 1 there
+    fit_normalisation(rm, prompts, responses)
+    scores = rm.score(prompts, responses)
     assert abs(scores.mean().item()) < 1e-4 and scores.std().item() == pytest.approx(1.0, abs=1e-4)
     assert pairwise_accuracy(rm, held_out) == pytest.approx(report.eval_accuracy)
 

@@ -96,9 +96,8 @@ class GeneratedPreferenceSource(StrictModel):
     truncations: int = Field(0, ge=0)
     """Also label this many word-boundary prefixes of each sampled response, paired with every
     other text of the prompt. A response against its own prefix shows the reward model which
-    words moved the score: free labels from a programmatic labeler (120 RM prompts on the
-    bench: agreement 0.78 -> 0.83 with 2). Used for training only, never for held-out
-    evaluation."""
+    words moved the score: free labels from a programmatic labeler (measured in
+    tests/bench/README.md). Used for training only, never for held-out evaluation."""
 
 
 class LabelFileSource(StrictModel):

@@ -31,15 +31,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import SamplingConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import encode_prompts
-from ppo_core.lm.models import eval_mode, stop_token_ids
-from ppo_core.lm.rollout import generate, left_pad
+from ppo_core.lm.sampling import sample_responses
 
 GoldScorer = Callable[[list[str], list[str]], list[float]]
 """(prompts, responses) -> one float per response; higher is better."""
@@ -80,7 +78,6 @@ def load_gold_scorer(name: str) -> GoldScorer:
     return function
 
 
-@torch.no_grad()
 def sample_response_groups(
     policy: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -91,29 +88,18 @@ def sample_response_groups(
     batch_size: int = 32,
     seed: int = 0,
 ) -> list[ResponseGroup]:
-    """k sampled responses per prompt, decoded without special tokens (the text a rater sees)."""
+    """k sampled responses per prompt, decoded without special tokens and stripped (the text a
+    rater sees). Seeds the global torch RNG with `seed`; a prompt's k rows are consecutive."""
     torch.manual_seed(seed)
     encoded = encode_prompts(tokenizer, prompts, prompt_cfg)
     jobs = [i for i in range(len(prompts)) for _ in range(k)]
-    stops = stop_token_ids(tokenizer, sampling.stop_token_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    rows = [encoded[i] for i in jobs]
+    sampled = sample_responses(
+        policy, tokenizer, rows, sampling, batch_size, progress="sampling responses"
+    )
     responses: list[list[str]] = [[] for _ in prompts]
-    with eval_mode(policy):
-        for start in tqdm(range(0, len(jobs), batch_size), desc="sampling responses", unit="batch"):
-            rows = jobs[start : start + batch_size]
-            query_ids, query_mask = left_pad([encoded[i] for i in rows], pad_id)
-            rollout = generate(
-                policy,
-                query_ids,
-                query_mask,
-                sampling,
-                stops,
-                tokenizer.pad_token_id,
-                want_logprobs=False,
-            )
-            for row, ids, mask in zip(rows, rollout.response_ids, rollout.response_mask, strict=True):
-                text = tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-                responses[row].append(text.strip())
+    for row, text in zip(jobs, sampled.texts, strict=True):
+        responses[row].append(text.strip())
     return list(zip(prompts, responses, strict=True))
 
 

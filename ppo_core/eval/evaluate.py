@@ -11,7 +11,6 @@ the same responses; it uses its own seed so that the two samples are independent
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from pydantic import Field
@@ -19,10 +18,11 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import SamplingConfig, StrictModel
-from ppo_core.eval.kl import SequenceKL, exact_kl, sampled_kl, sequence_kl
+from ppo_core.eval.kl import SequenceKL, sequence_kl
 from ppo_core.eval.stats import Scorer, prompt_mean_and_se, score, win_rate
-from ppo_core.lm.models import eval_mode, module_device, stop_token_ids
-from ppo_core.lm.rollout import generate, left_pad
+from ppo_core.lm.models import module_device
+from ppo_core.lm.rollout import Rollout
+from ppo_core.lm.sampling import SampledResponses, sample_responses
 
 __all__ = [
     "EvalSample",
@@ -32,8 +32,6 @@ __all__ = [
     "SequenceKL",
     "evaluate_policy",
     "evaluate_reference",
-    "exact_kl",
-    "sampled_kl",
     "sequence_kl",
     "win_rate",
 ]
@@ -122,50 +120,30 @@ class PolicyEval(StrictModel):
 
 
 # ---- sampling -------------------------------------------------------------------------------
-class Responses(NamedTuple):
-    """Decoded responses of one model to all prompts, with per-sequence KL when a reference was given."""
-
-    texts: list[str]
-    lengths: list[float]
-    ended: list[float]
-    kl: SequenceKL | None
-
-
-@torch.no_grad()
-def sample_responses(
+def _sample(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     prompt_ids: Sequence[Sequence[int]],
     sampling: SamplingConfig,
     seed: int,
-    batch_size: int = 16,
+    batch_size: int,
     ref: nn.Module | None = None,
     chunk_size: int = 1024,
-) -> Responses:
-    """One sampled response per prompt, in prompt order, with a fixed seed that leaves the
-    caller's RNG state untouched; with `ref`, also the per-sequence KL of each batch."""
-    stops, pad = stop_token_ids(tokenizer, sampling.stop_token_ids), int(tokenizer.pad_token_id)
-    device = module_device(model)
-    texts: list[str] = []
-    lengths: list[float] = []
-    ended: list[float] = []
+) -> tuple[SampledResponses, SequenceKL | None]:
+    """One response per prompt with a fixed seed that leaves the caller's RNG state untouched;
+    with `ref`, also the per-sequence KL of each batch, at the sampling temperature."""
     kls: list[SequenceKL] = []
-    with eval_mode(model), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+
+    def batch_kl(rollout: Rollout) -> None:
+        kls.append(sequence_kl(model, ref, rollout, sampling.temperature, chunk_size))
+
+    on_batch = batch_kl if ref is not None else None
+    device = module_device(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        for start in range(0, len(prompt_ids), batch_size):
-            query_ids, query_mask = left_pad(prompt_ids[start : start + batch_size], pad)
-            rollout = generate(
-                model, query_ids, query_mask, sampling, stops, pad, want_logprobs=False
-            )
-            rollout = rollout.trimmed()
-            for ids, mask in zip(rollout.response_ids, rollout.response_mask, strict=True):
-                texts.append(tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True))
-            lengths += rollout.response_mask.sum(1).float().tolist()
-            ended += rollout.ended.float().tolist()
-            if ref is not None:
-                kls.append(sequence_kl(model, ref, rollout, sampling.temperature, chunk_size))
+        out = sample_responses(model, tokenizer, prompt_ids, sampling, batch_size, on_batch)
     kl = SequenceKL(*(torch.cat([k[i].cpu() for k in kls]) for i in range(3))) if kls else None
-    return Responses(texts, lengths, ended, kl)
+    return out, kl
 
 
 # ---- the two entry points -------------------------------------------------------------------
@@ -186,7 +164,7 @@ def evaluate_reference(
     sample every later round is compared against (`samples_per_prompt` responses per prompt,
     laid out as the prompt list repeated that many times)."""
     prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
-    out = sample_responses(ref, tokenizer, ids, sampling, seed, batch_size)
+    out, _ = _sample(ref, tokenizer, ids, sampling, seed, batch_size)
     sample = ReferenceSample(
         prompts=prompts,
         responses=out.texts,
@@ -194,26 +172,20 @@ def evaluate_reference(
         gold_scores=score(gold, prompts, out.texts) if gold is not None else None,
         seed=seed,
     )
-    n = len(prompt_texts)
-    proxy_mean, proxy_se = prompt_mean_and_se(sample.proxy_scores, n)
-    gold_stats = _gold_stats(sample.gold_scores, n)
-    baseline = PolicyEval(
-        n=n,
-        samples_per_prompt=samples_per_prompt,
+    baseline = _policy_eval(
+        out,
+        prompts,
+        len(prompt_texts),
+        samples_per_prompt,
+        sample.proxy_scores,
+        sample.gold_scores,
+        None,
+        n_samples,
         kl_exact=0.0,
         kl_k1=0.0,
         kl_k3=0.0,
-        proxy_reward=proxy_mean,
-        proxy_reward_se=proxy_se,
-        gold_reward=gold_stats[0],
-        gold_reward_se=gold_stats[1],
         win_rate_proxy=0.5,
         win_rate_gold=0.5 if gold is not None else None,
-        response_length=sum(out.lengths) / len(out.lengths),
-        eos_rate=sum(out.ended) / len(out.ended),
-        samples=_samples(
-            None, out.texts, sample.proxy_scores, sample.gold_scores, n_samples, prompts
-        ),
     )
     return baseline, sample
 
@@ -240,8 +212,8 @@ def evaluate_policy(
     `evaluate_reference` (scores reused; drawn with the same `samples_per_prompt`); plain
     strings, one per sampled response, are scored here; None skips the comparisons."""
     prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
-    out = sample_responses(policy, tokenizer, ids, sampling, seed, batch_size, ref, chunk_size)
-    assert out.kl is not None
+    out, kl = _sample(policy, tokenizer, ids, sampling, seed, batch_size, ref, chunk_size)
+    assert kl is not None
     proxy_scores = score(proxy, prompts, out.texts)
     gold_scores = score(gold, prompts, out.texts) if gold is not None else None
     reference = _as_reference(ref_responses, prompts, proxy, gold)
@@ -253,24 +225,53 @@ def evaluate_policy(
             win_gold = win_rate(gold_scores, reference.gold_scores)
             gains = [g - r for g, r in zip(gold_scores, reference.gold_scores, strict=True)]
             gain_se = prompt_mean_and_se(gains, n)[1]
-    proxy_mean, proxy_se = prompt_mean_and_se(proxy_scores, n)
-    gold_stats = _gold_stats(gold_scores, n)
-    return PolicyEval(
-        n=n,
-        samples_per_prompt=samples_per_prompt,
-        kl_exact=out.kl.exact.mean().item(),
-        kl_k1=out.kl.k1.mean().item(),
-        kl_k3=out.kl.k3.mean().item(),
-        proxy_reward=proxy_mean,
-        proxy_reward_se=proxy_se,
-        gold_reward=gold_stats[0],
-        gold_reward_se=gold_stats[1],
+    return _policy_eval(
+        out,
+        prompts,
+        n,
+        samples_per_prompt,
+        proxy_scores,
+        gold_scores,
+        reference,
+        n_samples,
+        kl_exact=kl.exact.mean().item(),
+        kl_k1=kl.k1.mean().item(),
+        kl_k3=kl.k3.mean().item(),
         gold_gain_se=gain_se,
         win_rate_proxy=win_proxy,
         win_rate_gold=win_gold,
+    )
+
+
+def _policy_eval(
+    out: SampledResponses,
+    prompts: list[str],
+    n: int,
+    samples_per_prompt: int,
+    proxy_scores: list[float],
+    gold_scores: list[float] | None,
+    reference: ReferenceSample | None,
+    n_samples: int,
+    **comparisons: float | None,
+) -> PolicyEval:
+    """The record both entry points share: score means and standard errors over the n prompts,
+    lengths, stop rate and the side-by-side samples; `comparisons` carries the KL and win-rate
+    fields, which only the caller knows."""
+    proxy_mean, proxy_se = prompt_mean_and_se(proxy_scores, n)
+    gold_mean, gold_se = (
+        prompt_mean_and_se(gold_scores, n) if gold_scores is not None else (None, None)
+    )
+    return PolicyEval(
+        n=n,
+        samples_per_prompt=samples_per_prompt,
+        proxy_reward=proxy_mean,
+        proxy_reward_se=proxy_se,
+        gold_reward=gold_mean,
+        gold_reward_se=gold_se,
         response_length=sum(out.lengths) / len(out.lengths),
         eos_rate=sum(out.ended) / len(out.ended),
         samples=_samples(reference, out.texts, proxy_scores, gold_scores, n_samples, prompts),
+        **comparisons,
     )
 
 
@@ -286,10 +287,6 @@ def _tiled(
     if k < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {k}")
     return list(prompt_texts) * k, list(prompt_ids) * k
-
-
-def _gold_stats(values: list[float] | None, n: int) -> tuple[float | None, float | None]:
-    return prompt_mean_and_se(values, n) if values is not None else (None, None)
 
 
 def _as_reference(

@@ -79,26 +79,3 @@ def sequence_kl(
         k3=masked_sum(kl_estimate(logp_tok, logq_tok, "k3"), mask, dim=1),
     )
 
-
-def exact_kl(
-    policy: nn.Module,
-    ref: nn.Module,
-    rollout: Rollout,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-) -> torch.Tensor:
-    """[B] sum over valid response tokens of the exact per-token KL(pi || pi_ref)."""
-    return sequence_kl(policy, ref, rollout, temperature, chunk_size).exact
-
-
-def sampled_kl(
-    policy: nn.Module,
-    ref: nn.Module,
-    rollout: Rollout,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B] sum of k1, [B] sum of k3) over valid response tokens; unbiased only when the rollout
-    was sampled from `policy` at `temperature` without top-k / top-p."""
-    kl = sequence_kl(policy, ref, rollout, temperature, chunk_size)
-    return kl.k1, kl.k3

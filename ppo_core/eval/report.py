@@ -30,7 +30,7 @@ HACKING_SIGMAS = 1.0
 
 
 class GateResult(BaseModel):
-    """Outcome of `check_gates`."""
+    """Outcome of `gate_result`."""
 
     passed: bool
     """True when every configured gate holds."""
@@ -136,19 +136,12 @@ def best_round(rounds: Mapping[int, PolicyEval]) -> int | None:
     return max(rounds.items(), key=key)[0]
 
 
-def check_gates(
-    evaluated: EvalReport | PolicyEval, reference: PolicyEval | None, gates: GateConfig
-) -> tuple[bool, list[str]]:
-    """(passed, reasons): every configured gate must hold; each reason names the failed gate.
-    Given a report, its final policy (else its best round) is checked against its reference."""
-    result = gate_result(evaluated, reference, gates)
-    return result.passed, result.reasons
-
-
 def gate_result(
     evaluated: EvalReport | PolicyEval, reference: PolicyEval | None, gates: GateConfig
 ) -> GateResult:
-    """`check_gates` with the per-gate lines kept (for the report)."""
+    """Every configured gate must hold; each reason names the failed gate, and `checked` keeps
+    one line per gate for the report. Given a report, its final policy (else its best round) is
+    checked against its reference."""
     policy, reference = _gate_inputs(evaluated, reference)
     checked: list[str] = []
     reasons: list[str] = []
@@ -192,7 +185,7 @@ def _gate_inputs(
             raise ValueError("the report has neither a final policy nor any round to gate")
         return policy, reference or evaluated.reference
     if reference is None:
-        raise ValueError("check_gates needs the reference's PolicyEval to compute margins")
+        raise ValueError("gate_result needs the reference's PolicyEval to compute margins")
     return evaluated, reference
 
 

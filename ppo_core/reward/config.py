@@ -46,7 +46,9 @@ class RewardModelConfig(StrictModel):
     warmup_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of the steps with a linear warm-up before the linear anneal."""
     normalise: bool = True
-    """Fit gain and bias after training so reference responses score mean 0, std 1."""
+    """After training, the pipeline samples reference-policy responses to training prompts and
+    fits gain and bias (`fit_normalisation`) so they score mean 0, std 1; False keeps the raw
+    scale. `train_reward_model` itself never normalises."""
     gold_min_gap: float = Field(0.1, ge=0.0)
     """Held-out agreement with the gold scorer counts only pairs whose gold scores differ by
     more than this."""

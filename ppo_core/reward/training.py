@@ -1,11 +1,12 @@
-"""Training r_phi on preference pairs with the Bradley-Terry loss, then evaluating and
-normalising it.
+"""Training r_phi on preference pairs with the Bradley-Terry loss, evaluating it, and fitting
+its normalisation.
 
 Bradley-Terry: P(chosen > rejected) = sigmoid(r_c - r_r), so the negative log-likelihood of
 the observed preferences is -log sigmoid(r_c - r_r) (Christiano et al. 2017, Ouyang et al.
 2022). A margin m (Llama 2) asks for r_c - r_r > m. The loss only sees differences, so r's
 offset is free; the optional centering term coef * mean((r_c + r_r)^2) (Eisenstein et al.
-2023) pins it near zero, and normalisation afterwards fixes the scale PPO sees.
+2023) pins it near zero. Training leaves the scale alone: the caller fixes the scale PPO sees
+with `fit_normalisation` on reference-policy samples (lm-human-preferences).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class RewardTrainReport(BaseModel):
     steps: int
     seconds: float
     gain: float
+    """The RM's normalisation gain when training ended: training fits none, so 1 unless the
+    backbone is a saved RM that carries its own; `fit_normalisation` sets the one PPO uses."""
     bias: float
+    """Likewise the bias (0 unless the backbone carries one)."""
 
 
 def bradley_terry_loss(
@@ -111,14 +115,6 @@ def split_reward_rows(
     train = [r for r in rows if r.prompt not in eval_prompts]
     held_out = [r for r in rows if r.prompt in eval_prompts and not r.metadata.get("truncated")]
     return train, held_out
-
-
-def sampled_responses(rows: Sequence[PreferenceRow]) -> tuple[list[str], list[str]]:
-    """(prompts, responses): each distinct response of the pairs once, truncations left out
-    (unless nothing else is there), to fit the normalisation on what the policy writes."""
-    whole = [r for r in rows if not r.metadata.get("truncated")] or list(rows)
-    pairs = dict.fromkeys((r.prompt, t) for r in whole for t in (r.chosen, r.rejected))
-    return [p for p, _ in pairs], [t for _, t in pairs]
 
 
 def training_units(
@@ -206,12 +202,9 @@ def train_reward_model(
     on_metrics: MetricsCallback | None = None,
     gold_scorer: GoldScorer | None = None,
 ) -> tuple[RewardModel, RewardTrainReport]:
-    """AdamW with linear anneal over `epochs` passes, then held-out evaluation and normalisation.
-
-    Normalisation is fitted on the training pairs' responses: for generated sets those are
-    reference-policy samples, as lm-human-preferences prescribes; a caller with fresh
-    reference samples can refit with `fit_normalisation`.
-    """
+    """AdamW with linear anneal over `epochs` passes, then held-out evaluation. The RM is not
+    normalised here (whatever `cfg.normalise` says): call `fit_normalisation` on reference-policy
+    samples afterwards, as the pipeline does when `cfg.normalise` is set."""
     if not train_rows:
         raise ValueError("no training pairs")
     start = time.perf_counter()
@@ -265,9 +258,6 @@ def train_reward_model(
             agreement, n_gold = gold_agreement(
                 rm, eval_rows, gold_scorer, cfg.gold_min_gap, scores=(r_c, r_r)
             )
-    if cfg.normalise:
-        prompts, responses = sampled_responses(train_rows)
-        fit_normalisation(rm, prompts, responses, 2 * cfg.batch_size)
     report = RewardTrainReport(
         train_loss=sum(losses) / n_last,
         train_accuracy=sum(hits) / n_last,

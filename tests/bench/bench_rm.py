@@ -36,7 +36,7 @@ from ppo_core.reward.training import train_reward_model
 BUCKETS = ((0.1, 0.2), (0.2, 0.4), (0.4, 0.7), (0.7, 2.0))
 # variants start from the shipped config: its RM settings and its simulated rater
 DEFAULT = yaml.safe_load((Path(__file__).parents[2] / "configs" / "default.yaml").read_text())
-DEFAULT_RM = {**DEFAULT["reward_model"], "normalise": False}
+DEFAULT_RM = DEFAULT["reward_model"]  # train_reward_model never normalises; scores here are raw
 RATER = DEFAULT["preferences"]["source"]
 Group = dict[str, Any]  # {"prompt": str, "responses": [str], "gold": [float]}
 
