@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from ppo_core.config import DeviceConfig, SamplingConfig, StrictModel
 from ppo_core.data.config import PreferencesConfig, PromptConfig
@@ -84,6 +91,35 @@ class PPOStageConfig(StrictModel):
         DataParallel(0, self.processes).check_batch(self.algo.batch_size, self.algo.mini_batch_size)
         return self
 
+    @field_validator("algo")
+    @classmethod
+    def _schedule_is_not_set_by_hand(cls, algo: PPOConfig, info: ValidationInfo) -> PPOConfig:
+        """The LR schedule anneals over the whole run, rounds x iterations_per_round; a
+        different hand-set value is an error, not silently replaced."""
+        if "rounds" not in info.data or "iterations_per_round" not in info.data:
+            return algo  # those fields failed and report their own errors
+        total = info.data["rounds"] * info.data["iterations_per_round"]
+        if "total_iterations" in algo.model_fields_set and algo.total_iterations != total:
+            raise ValueError(
+                f"total_iterations ({algo.total_iterations}) is derived in a pipeline: "
+                f"ppo.rounds x ppo.iterations_per_round = {total}; remove it"
+            )
+        return algo
+
+    @field_serializer("algo")
+    def _algo_without_derived_fields(self, algo: PPOConfig) -> dict[str, Any]:
+        return algo.model_dump(exclude={"total_iterations"})
+
+    @property
+    def total_iterations(self) -> int:
+        """PPO iterations of the whole run, which the LR schedule spans."""
+        return self.rounds * self.iterations_per_round
+
+    @property
+    def effective_algo(self) -> PPOConfig:
+        """The algorithm settings the trainer gets: `algo` with the run's total_iterations."""
+        return self.algo.model_copy(update={"total_iterations": self.total_iterations})
+
 
 class TrackingConfig(StrictModel):
     """MLflow."""
@@ -125,14 +161,6 @@ class PipelineConfig(StrictModel):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
-
-    @model_validator(mode="after")
-    def _schedule_spans_the_run(self) -> PipelineConfig:
-        total = self.ppo.rounds * self.ppo.iterations_per_round
-        if self.ppo.algo.total_iterations != total:
-            # The LR schedule anneals over the whole run, not one round.
-            self.ppo.algo = self.ppo.algo.model_copy(update={"total_iterations": total})
-        return self
 
     @property
     def reference_source(self) -> str:
@@ -179,7 +207,8 @@ def _format_errors(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
-        lines.append(f"{path or '<root>'}: {e['msg']}")
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{path or '<root>'}: {message}")
     return lines
 
 

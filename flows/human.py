@@ -14,11 +14,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from prefect import pause_flow_run, task
 from prefect.input import RunInput
 from pydantic import create_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters
 from flows.refs import ReferenceRef
@@ -26,20 +24,21 @@ from flows.stages.common import logger, stage_dir, write_prompt_file
 from ppo_core.data.config import HumanPreferenceSource, PromptConfig
 from ppo_core.data.labelers import export_unlabeled, sample_response_groups
 from ppo_core.data.prompts import load_prompts, split_prompts
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
 Choice = Literal["a", "b", "skip"]
 
 
 @task(name="sample_pairs_for_labelling", cache_key_fn=key_from_parameters, persist_result=True)
-def sample_pairs_for_labelling(key: str, settings: dict, reference: ReferenceRef, work_dir: str) -> str:
+def sample_pairs_for_labelling(
+    key: str, source: HumanPreferenceSource, prompt_cfg: PromptConfig, reference: ReferenceRef, work_dir: str
+) -> str:
     """Sample k responses per training prompt from the reference and export the unlabelled pairs."""
-    source = HumanPreferenceSource.model_validate(settings["preferences"]["source"])
-    prompt_cfg = PromptConfig.model_validate(settings["prompts"])
     folder = stage_dir(work_dir, "sample_pairs_for_labelling", key)
     train, _ = split_prompts(load_prompts(prompt_cfg), prompt_cfg.heldout_fraction)
     prompts = train[: source.n_prompts] if source.n_prompts else train
-    tokenizer = AutoTokenizer.from_pretrained(reference.path)
-    policy = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32)
+    tokenizer = load_tokenizer(reference.path)
+    policy = load_causal_lm(reference.path)
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling, source.batch_size, 0
     )

@@ -24,6 +24,7 @@ from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
 from flows.human import collect_human_labels, sample_pairs_for_labelling
+from flows.refs import ReferenceRef
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
@@ -83,12 +84,13 @@ def _headline(result: Any) -> dict[str, Any]:
     return out
 
 
-def _human_labels(run: StageRunner, cfg: PipelineConfig, settings: dict, reference: Any, work_dir: str) -> str:
+def _human_labels(run: StageRunner, cfg: PipelineConfig, reference: ReferenceRef, work_dir: str) -> str:
     """Sample pairs (cached), then pause the flow for people to label them in the Prefect UI."""
     source = cfg.preferences.source
     unlabelled = run(
         sample_pairs_for_labelling, "collect_preferences", "sample_pairs_for_labelling",
-        key=keys.human_pairs_key(cfg, reference), settings=settings, reference=reference, work_dir=work_dir,
+        key=keys.human_pairs_key(cfg, reference), source=source, prompt_cfg=cfg.prompts, reference=reference,
+        work_dir=work_dir,
     )
     return collect_human_labels(unlabelled, source.pairs_per_form, source.timeout_seconds)
 
@@ -98,7 +100,8 @@ def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk
     experiment = cfg.tracking.experiment or cfg.name
     experiment_id = trk.connect(uri, experiment, Path.cwd() / "mlruns")
     ctx = trk.TrackingContext(
-        uri=uri, experiment_id=experiment_id, pipeline=cfg.name, flow_run_id=flow_run_id, config_hash=config_hash(cfg)
+        uri=uri, experiment_id=experiment_id, pipeline=cfg.name, flow_run_id=flow_run_id, config_hash=config_hash(cfg),
+        register_models=cfg.tracking.register_models,
     )
     ctx.parent_run_id = trk.open_parent_run(ctx, f"{cfg.name}-{flow_run_id[:8]}", cfg.model_dump(mode="json"))
     return ctx
@@ -114,28 +117,29 @@ def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dic
     flow_run_id = str(get_run_context().flow_run.id)
     ctx = _open_tracking(cfg, work_dir, flow_run_id)
     run = StageRunner(cfg, work_dir, ctx, forced_stages(force))
-    settings = cfg.model_dump(mode="json")
     common = {"work_dir": str(work_dir), "tracking": ctx}
+    device = cfg.orchestration.device
     failed = True
     try:
         reference = run(
             snapshot_reference, "snapshot_reference", "snapshot_reference",
             key=keys.reference_key(cfg),
             source=cfg.reference_source, tokenizer_source=cfg.model.tokenizer,
-            trust_remote_code=cfg.model.trust_remote_code, register=cfg.tracking.register_models, **common,
+            trust_remote_code=cfg.model.trust_remote_code, **common,
         )
         labels = None
         if cfg.preferences.source.kind == "human":
-            labels = _human_labels(run, cfg, settings, reference, str(work_dir))
+            labels = _human_labels(run, cfg, reference, str(work_dir))
         prefs = run(
             collect_preferences, "collect_preferences", "collect_preferences",
             key=keys.preferences_key(cfg, reference, labels),
-            settings=settings, reference=reference, labels_path=labels, **common,
+            preferences=cfg.preferences, prompts=cfg.prompts, reference=reference, labels_path=labels, **common,
         )
         reward = run(
             train_reward_model, "train_reward_model", "train_reward_model",
             key=keys.reward_key(cfg, prefs, reference),
-            settings=settings, prefs=prefs, reference=reference, **common,
+            reward_model=cfg.reward_model, prompts=cfg.prompts, gold_scorer=cfg.evaluation.gold_scorer,
+            prefs=prefs, reference=reference, **common,
         )
         policies = []
         previous = None
@@ -143,14 +147,16 @@ def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dic
             previous = run(
                 ppo_round, "ppo_round", f"ppo_round_{k}",
                 key=keys.ppo_key(cfg, k, reference, reward, prefs, previous),
-                round_number=k, settings=settings, reference=reference, reward=reward, prefs=prefs,
+                round_number=k, ppo=cfg.ppo, prompts=cfg.prompts, device=device,
+                reference=reference, reward=reward, prefs=prefs,
                 previous=previous, is_last=k == cfg.ppo.rounds, restart="ppo_round" in run.forced, **common,
             )
             policies.append(previous)
         report = run(
             evaluate, "evaluate", "evaluate",
             key=keys.evaluate_key(cfg, policies, reference, reward),
-            settings=settings, reference=reference, reward=reward, prefs=prefs, policies=policies, **common,
+            evaluation=cfg.evaluation, prompts=cfg.prompts, device=device,
+            reference=reference, reward=reward, prefs=prefs, policies=policies, **common,
         )
         failed = False
     finally:

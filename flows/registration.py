@@ -1,17 +1,26 @@
-"""Registering a PPO round's policy in the MLflow Model Registry, with its lineage.
+"""Registering the pipeline's models in the MLflow Model Registry, with their lineage.
 
-The last round registers its policy as `candidate`; evaluation registers an earlier round too
-when the gates promote that one (GateConfig.promote = best_round).
+Every registered version carries the same lineage tags: the config hash and Prefect flow run
+that made it, plus its parents (preference set, reference and reward-model versions, round).
+The last PPO round registers its policy as `candidate`; evaluation registers an earlier round
+too when the gates promote that one (GateConfig.promote = best_round).
 """
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from flows.refs import PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registry import register_model
 from flows.tracking import TrackingContext
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
+
+
+def lineage_tags(tracking: TrackingContext, **parents: object) -> dict[str, str]:
+    """{"rlhf.config_hash", "prefect.flow_run_id"} plus one `rlhf.<name>` tag per parent."""
+    return {
+        "rlhf.config_hash": tracking.config_hash,
+        "prefect.flow_run_id": tracking.flow_run_id,
+        **{f"rlhf.{name}": str(value) for name, value in parents.items()},
+    }
 
 
 def register_policy(
@@ -25,17 +34,12 @@ def register_policy(
     """Log the round's exported policy as a new version of `<pipeline>-policy` and record its
     name, version and URI on `result`."""
     name = f"{tracking.pipeline}-policy"
-    lineage = {
-        "rlhf.config_hash": tracking.config_hash,
-        "rlhf.preference_sha256": prefs.sha256,
-        "rlhf.reward_model_version": str(reward.version),
-        "rlhf.reference_version": str(reference.version),
-        "rlhf.round": str(result.round),
-        "prefect.flow_run_id": tracking.flow_run_id,
-    }
-    policy = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(result.path)
+    tags = lineage_tags(
+        tracking, preference_sha256=prefs.sha256, reward_model_version=reward.version,
+        reference_version=reference.version, round=result.round,
+    )
+    policy, tokenizer = load_causal_lm(result.path), load_tokenizer(result.path)
     result.model_uri, result.version = register_model(
-        tracking.uri, name, policy, tokenizer, "text-generation", result.sha256, lineage, aliases=aliases
+        tracking.uri, name, policy, tokenizer, "text-generation", result.sha256, tags, aliases=aliases
     )
     result.registered_name = name

@@ -35,13 +35,14 @@ class TrackingError(RuntimeError):
 class TrackingContext(BaseModel):
     """Where a stage logs: enough to reopen the right runs from any thread or process."""
 
-    enabled: bool = True
     uri: str = ""
     experiment_id: str = ""
     parent_run_id: str = ""
     pipeline: str = "rlhf"
     flow_run_id: str = ""
     config_hash: str = ""
+    register_models: bool = True
+    """Register the stages' models in the Model Registry (tracking.register_models)."""
 
 
 def default_tracking_uri(work_dir: str | Path = ".") -> str:
@@ -115,7 +116,7 @@ def code_version() -> str:
 
 
 def close_parent_run(ctx: TrackingContext, failed: bool) -> None:
-    if ctx.enabled and ctx.parent_run_id:
+    if ctx.parent_run_id:
         MlflowClient(ctx.uri).set_terminated(ctx.parent_run_id, status="FAILED" if failed else "FINISHED")
 
 
@@ -139,12 +140,9 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 @contextmanager
 def stage_run(
     ctx: TrackingContext, stage: str, tags: dict[str, str] | None = None, system_metrics: bool = False
-) -> Iterator[str | None]:
+) -> Iterator[str]:
     """A child run of the pipeline's parent run, active in this thread while the stage works.
     `system_metrics` samples CPU/GPU utilisation and memory into the run (GPU stages)."""
-    if not ctx.enabled:
-        yield None
-        return
     mlflow.set_tracking_uri(ctx.uri)
     all_tags = {"rlhf.stage": stage, "rlhf.cached": "false", "prefect.flow_run_id": ctx.flow_run_id, **(tags or {})}
     with mlflow.start_run(
@@ -160,8 +158,6 @@ def stage_run(
 
 def record_cached(ctx: TrackingContext, stage: str, producer_run_id: str | None, summary: dict[str, Any]) -> None:
     """A cached stage is shown as cached, with a link to the run that computed it."""
-    if not ctx.enabled:
-        return
     client = MlflowClient(ctx.uri)
     run = client.create_run(
         ctx.experiment_id,
@@ -181,19 +177,20 @@ def record_cached(ctx: TrackingContext, stage: str, producer_run_id: str | None,
 
 
 class MetricLogger:
-    """The bridge from ppo_core's on_metrics(step, dict) callback to the active MLflow run."""
+    """The bridge from ppo_core's on_metrics(step, dict) callback to an MLflow run; without a
+    run (data-parallel ranks other than 0) it only keeps the history."""
 
-    def __init__(self, run_id: str | None, uri: str, prefix: str = "", step_offset: int = 0) -> None:
-        self.run_id, self.prefix, self.step_offset = run_id, prefix, step_offset
+    def __init__(self, run_id: str | None, uri: str) -> None:
+        self.run_id = run_id
         self.client = MlflowClient(uri) if run_id else None
         self.history: list[dict[str, float]] = []
 
     def __call__(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        self.history.append({"step": float(step + self.step_offset), **clean})
+        clean = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        self.history.append({"step": float(step), **clean})
         if self.client is None:
             return
         now = int(time.time() * 1000)
-        entities = [mlflow.entities.Metric(k, v, now, step + self.step_offset) for k, v in clean.items()]
+        entities = [mlflow.entities.Metric(k, v, now, step) for k, v in clean.items()]
         for start in range(0, len(entities), 500):
             self.client.log_batch(self.run_id, metrics=entities[start : start + 500])

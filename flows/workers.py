@@ -1,7 +1,7 @@
-"""Training one PPO round, in this process or data-parallel across torchrun processes.
+"""What every process of a PPO round runs: build the trainer, resume, train, export.
 
-`ppo_round` (the Prefect task) describes the round as a `RoundJob`. With `ppo.processes == 1`
-it calls `train_round` here; otherwise it writes the job to JSON and launches
+`ppo_round` (the Prefect task) describes the round as a `RoundJob` and hands it to a launcher
+(flows.launchers): in this process, or on N torchrun ranks through
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m flows.workers JOB
 
@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from flows.config import PPOStageConfig
 from flows.faults import maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file
 from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
+from ppo_core.data.config import PromptConfig
 from ppo_core.data.prompts import encode_prompts
 from ppo_core.lm.checkpoint import latest_checkpoint, prune_checkpoints
 from ppo_core.lm.distributed import DataParallel, shutdown
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.ppo.trainer import PPOTrainer
 from ppo_core.ppo.value import CriticModel
@@ -40,7 +41,9 @@ from ppo_core.reward.model import RewardModel, RewardScorer
 class RoundJob(BaseModel):
     """Everything a process needs to train one round (JSON, so a launcher can hand it over)."""
 
-    settings: dict
+    ppo: PPOStageConfig
+    prompts: PromptConfig
+    device: DeviceConfig
     reference: ReferenceRef
     reward: RewardModelRef
     prefs: PreferenceSet
@@ -59,7 +62,7 @@ class RoundJob(BaseModel):
     @property
     def last_iteration(self) -> int:
         """The trainer's iteration counter when the round is done (rounds never stop early)."""
-        return self.round_number * self.settings["ppo"]["iterations_per_round"]
+        return self.round_number * self.ppo.iterations_per_round
 
 
 class RoundOutput(BaseModel):
@@ -68,49 +71,38 @@ class RoundOutput(BaseModel):
     samples: list[dict]
 
 
-def build_trainer(
-    settings: dict,
-    reference: ReferenceRef,
-    reward: RewardModelRef,
-    prefs: PreferenceSet,
-    device: DeviceConfig,
-    on_metrics: MetricsCallback | None,
-    parallel: DataParallel | None = None,
-) -> PPOTrainer:
-    """Models and data for PPO, all from the stage references (never from the raw config)."""
-    from flows.config import PipelineConfig  # late: only the sections are needed here
-
-    cfg = PipelineConfig.model_validate(settings)
-    tokenizer = AutoTokenizer.from_pretrained(reference.path)
-    policy = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32)
+def build_trainer(job: RoundJob, on_metrics: MetricsCallback | None, parallel: DataParallel | None = None) -> PPOTrainer:
+    """Models and data for PPO, all from the stage references."""
+    ppo, reference = job.ppo, job.reference
+    tokenizer = load_tokenizer(reference.path)
+    policy = load_causal_lm(reference.path)
     ref_model = None
-    if cfg.ppo.lora:
+    if ppo.lora:
         from peft import LoraConfig, get_peft_model
 
-        policy = get_peft_model(policy, LoraConfig(task_type="CAUSAL_LM", **cfg.ppo.lora))
+        policy = get_peft_model(policy, LoraConfig(task_type="CAUSAL_LM", **ppo.lora))
     else:
-        ref_model = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32)
+        ref_model = load_causal_lm(reference.path)
     critic = None
-    if cfg.ppo.algo.critic == "separate":
+    if ppo.algo.critic == "separate":
         critic = (
-            CriticModel.from_pretrained(reward.path)
-            if cfg.ppo.critic_init == "reward_model"
+            CriticModel.from_pretrained(job.reward.path)
+            if ppo.critic_init == "reward_model"
             else CriticModel.from_model(policy)
         )
-    rm = RewardModel.from_pretrained(reward.path)
-    texts = read_prompt_file(prefs.train_prompts_path)
+    rm = RewardModel.from_pretrained(job.reward.path)
+    texts = read_prompt_file(job.prefs.train_prompts_path)
     scorer = RewardScorer(rm, tokenizer, texts)
-    prompt_ids = encode_prompts(tokenizer, texts, cfg.prompts)
+    prompt_ids = encode_prompts(tokenizer, texts, job.prompts)
     return PPOTrainer(
-        cfg.ppo.algo, cfg.ppo.sampling, policy, ref_model, critic, tokenizer, scorer, prompt_ids,
-        device=device, on_metrics=on_metrics, parallel=parallel,
+        ppo.effective_algo, ppo.sampling, policy, ref_model, critic, tokenizer, scorer, prompt_ids,
+        device=job.device, on_metrics=on_metrics, parallel=parallel,
     )
 
 
 def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
-    ppo = job.settings["ppo"]
-    every, target = ppo["checkpoint_every"], job.last_iteration
-    start = target - ppo["iterations_per_round"]
+    every, target = job.ppo.checkpoint_every, job.last_iteration
+    start = target - job.ppo.iterations_per_round
     if trainer.iteration < start:
         raise RuntimeError(f"round {job.round_number}: trainer at iteration {trainer.iteration}, expected {start}")
     progress = tqdm(
@@ -143,9 +135,8 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
     """Build the trainer, continue from the in-round or the previous round's checkpoint, train
     to the round's last iteration, and (rank 0) export the policy and the round's records."""
     dp = parallel or DataParallel()
-    device = DeviceConfig.model_validate(job.settings["orchestration"]["device"])
     metric_logger = MetricLogger(job.run_id if dp.is_main else None, job.tracking_uri)
-    trainer = build_trainer(job.settings, job.reference, job.reward, job.prefs, device, metric_logger, dp)
+    trainer = build_trainer(job, metric_logger, dp)
     resumed = latest_checkpoint(job.state_dir)
     if resumed is not None:
         trainer.load(resumed)
@@ -165,32 +156,6 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
         prune_checkpoints(job.state_dir, keep_last=1)
     dp.barrier()
     return out
-
-
-def train_round_in_processes(job: RoundJob, processes: int) -> RoundOutput:
-    """Run `train_round` on `processes` torchrun ranks and read rank 0's outputs back."""
-    spec = Path(job.folder) / "job.json"
-    spec.write_text(job.model_dump_json())
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "flows.workers", str(spec),
-    ]
-    env = dict(os.environ)
-    # a CPU rank gets an equal share of the cores (torchrun's default is 1 thread)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))
-    logger().info("round %d: %s", job.round_number, " ".join(command))
-    done = subprocess.run(command, env=env, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"round {job.round_number}: data-parallel training ({processes} processes) exited with "
-            f"code {done.returncode}; its output is above, its checkpoints in {job.state_dir}"
-        )
-    folder = Path(job.folder)
-    return RoundOutput(
-        iteration=job.last_iteration,
-        history=json.loads((folder / "history.json").read_text()),
-        samples=json.loads((folder / "samples.json").read_text()),
-    )
 
 
 def main(argv: list[str]) -> int:

@@ -22,7 +22,7 @@ def test_there_are_configs_to_check() -> None:
 def test_shipped_config_validates(path: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("RLHF_TINY_DIR", str(tmp_path / "tiny"))
     cfg = load_config(path)
-    assert cfg.ppo.algo.total_iterations == cfg.ppo.rounds * cfg.ppo.iterations_per_round
+    assert cfg.ppo.effective_algo.total_iterations == cfg.ppo.rounds * cfg.ppo.iterations_per_round
 
 
 def test_default_config_uses_the_offline_packages() -> None:
@@ -45,3 +45,33 @@ def test_deploy_without_a_prefect_server_says_so(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stdout + result.stderr
     assert "needs a Prefect server" in result.stderr and "PREFECT_API_URL" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_lr_schedule_spans_the_run_and_is_derived_not_rewritten() -> None:
+    """ppo.algo.total_iterations is rounds x iterations_per_round: derived for the trainer, a
+    different hand-set value is an error naming the field, and the config as the user wrote it
+    (and as it round-trips through the flow's parameters) is left as it was."""
+    from flows.config import ConfigError, PipelineConfig
+
+    default = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    cfg = load_config(default, ["ppo.rounds=3", "ppo.iterations_per_round=5"])
+    assert cfg.ppo.total_iterations == 15 and cfg.ppo.effective_algo.total_iterations == 15
+    assert "total_iterations" not in cfg.ppo.algo.model_fields_set
+    assert PipelineConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+    assert load_config(default, ["ppo.rounds=3", "ppo.iterations_per_round=5", "ppo.algo.total_iterations=15"])
+    with pytest.raises(ConfigError) as err:
+        load_config(default, ["ppo.rounds=3", "ppo.iterations_per_round=5", "ppo.algo.total_iterations=7"])
+    assert err.value.problems == [
+        "ppo.algo: total_iterations (7) is derived in a pipeline: ppo.rounds x ppo.iterations_per_round = 15; remove it"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mini", "current", "expected"),
+    [(8, 8, 4), (8, 4, 2), (8, 1, None), (12, 12, 6), (12, 6, 3), (9, 9, 3), (10, 5, 2), (7, 7, 1)],
+)
+def test_out_of_memory_retry_picks_a_micro_batch_that_divides_the_minibatch(mini: int, current: int, expected: int | None) -> None:
+    """Halving 9 would give 4, which does not divide 9: accumulation would then drop a row."""
+    from flows.launchers import smaller_micro_batch
+
+    assert smaller_micro_batch(mini, current) == expected

@@ -84,7 +84,7 @@ def test_force_covers_downstream_stages_and_rejects_unknown_ones() -> None:
 
 
 def test_stages_reports_cached_after_a_run_and_missing_after_a_change(first_run: Run) -> None:
-    """Consequence 5, in-process (flows.inspect.stage_table, what `rlhf stages` prints)."""
+    """Consequence 5, in-process (flows.stage_status.stage_table, what `rlhf stages` prints)."""
     assert first_run.notes["stages_after"] == dict.fromkeys(TWO_ROUND_STAGES, "cached")
     new_lr = first_run.notes["stages_new_lr"]
     assert {s: new_lr[s] for s in UPSTREAM} == dict.fromkeys(UPSTREAM, "cached")

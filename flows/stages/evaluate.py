@@ -10,10 +10,8 @@ from __future__ import annotations
 import time
 
 import mlflow
-import torch
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters, sha256_file
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
@@ -21,6 +19,7 @@ from flows.registration import register_policy
 from flows.registry import set_alias
 from flows.stages.common import logger, read_prompt_file, stage_dir
 from flows.tracking import TrackingContext, stage_run
+from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer
 from ppo_core.data.prompts import encode_prompts
@@ -29,7 +28,7 @@ from ppo_core.eval.evaluate import PolicyEval, evaluate_policy, evaluate_referen
 from ppo_core.eval.markdown import report_markdown
 from ppo_core.eval.plots import plot_overoptimisation
 from ppo_core.eval.report import EvalReport, build_report
-from ppo_core.lm.models import pick_device
+from ppo_core.lm.models import load_causal_lm, load_tokenizer, pick_device
 from ppo_core.reward.model import RewardModel
 
 
@@ -75,7 +74,9 @@ def _promote(
 @task(name="evaluate", tags=["gpu"], cache_key_fn=key_from_parameters, persist_result=True)
 def evaluate(
     key: str,
-    settings: dict,
+    evaluation: EvaluationConfig,
+    prompts: PromptConfig,
+    device: DeviceConfig,
     reference: ReferenceRef,
     reward: RewardModelRef,
     prefs: PreferenceSet,
@@ -85,15 +86,14 @@ def evaluate(
 ) -> EvalRef:
     start = time.perf_counter()
     log = logger()
-    cfg = EvaluationConfig.model_validate(settings["evaluation"])
-    prompt_cfg = PromptConfig.model_validate(settings["prompts"])
-    device = pick_device(settings["orchestration"]["device"]["device"])
+    cfg = evaluation
+    where = pick_device(device.device)
     folder = stage_dir(work_dir, "evaluate", key)
     texts = read_prompt_file(prefs.heldout_prompts_path)[: cfg.n_prompts]
-    tokenizer = AutoTokenizer.from_pretrained(reference.path)
-    ids = encode_prompts(tokenizer, texts, prompt_cfg)
-    ref_model = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32).to(device).eval()
-    rm = RewardModel.from_pretrained(reward.path, device=str(device))
+    tokenizer = load_tokenizer(reference.path)
+    ids = encode_prompts(tokenizer, texts, prompts)
+    ref_model = load_causal_lm(reference.path).to(where).eval()
+    rm = RewardModel.from_pretrained(reward.path, device=str(where))
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
     common = {
         "sampling": cfg.sampling, "proxy": rm.score, "gold": gold,
@@ -105,7 +105,7 @@ def evaluate(
     chosen = policies if cfg.per_round else policies[-1:]
     for ckpt in chosen:
         log.info("evaluating round %d", ckpt.round)
-        policy = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32).to(device).eval()
+        policy = load_causal_lm(ckpt.path).to(where).eval()
         rounds[ckpt.round] = evaluate_policy(policy, ref_model, tokenizer, texts, ids, ref_responses=ref_sample, **common)
         del policy
     report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)
@@ -121,21 +121,19 @@ def evaluate(
     )
     with stage_run(tracking, "evaluate", {"rlhf.champion": str(champion)}) as run_id:
         result.mlflow_run_id = run_id
-        if run_id is not None:
-            _log_eval("reference", baseline, 0)
-            for rnd, ev in rounds.items():
-                _log_eval("policy", ev, rnd)
-            mlflow.log_metrics({k: v for k, v in result.headline.items() if v is not None})
-            mlflow.log_metric("reward_hacking", float(report.reward_hacking))
-            mlflow.log_artifact(str(report_path))
-            mlflow.log_artifact(str(plot), artifact_path="plots")
-            mlflow.log_text(markdown, "report.md")
-            if promoted is not None and settings["tracking"]["register_models"]:
-                _promote(promoted, tracking, prefs, reward, reference)
-                result.champion_model_uri = promoted.model_uri
+        _log_eval("reference", baseline, 0)
+        for rnd, ev in rounds.items():
+            _log_eval("policy", ev, rnd)
+        mlflow.log_metrics({k: v for k, v in result.headline.items() if v is not None})
+        mlflow.log_metric("reward_hacking", float(report.reward_hacking))
+        mlflow.log_artifact(str(report_path))
+        mlflow.log_artifact(str(plot), artifact_path="plots")
+        mlflow.log_text(markdown, "report.md")
+        if promoted is not None and tracking.register_models:
+            _promote(promoted, tracking, prefs, reward, reference)
+            result.champion_model_uri = promoted.model_uri
         result.seconds = time.perf_counter() - start
-        if run_id is not None:
-            mlflow.log_metric("seconds", result.seconds)  # the stage's wall time (its MLflow run opens late)
+        mlflow.log_metric("seconds", result.seconds)  # the stage's wall time (its MLflow run opens late)
     create_markdown_artifact(markdown=markdown, key=f"{tracking.pipeline}-evaluation", description="RLHF evaluation")
     log.info("evaluation: %s; champion=%s %s (%.1fs)", result.headline, champion, result.gate_reasons, result.seconds)
     return result

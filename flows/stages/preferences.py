@@ -9,9 +9,7 @@ from __future__ import annotations
 import time
 
 import mlflow
-import torch
 from prefect import task
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.caching import key_from_parameters
 from flows.refs import PreferenceSet, ReferenceRef
@@ -26,13 +24,14 @@ from ppo_core.data.labelers import (
 )
 from ppo_core.data.preferences import PreferenceRow, load_preference_dataset, write_preference_set
 from ppo_core.data.prompts import load_prompts, split_prompts
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
 
 def _collect_rows(
     prefs: PreferencesConfig, prompt_cfg: PromptConfig, train: list[str], reference: ReferenceRef, labels: str | None
 ) -> tuple[list[PreferenceRow], dict[str, int], list[str]]:
     source = prefs.source
-    tokenizer = AutoTokenizer.from_pretrained(reference.path)
+    tokenizer = load_tokenizer(reference.path)
     if source.kind == "dataset":
         return load_preference_dataset(source, tokenizer, prefs.max_tokens, prefs.max_bad_fraction)
     if source.kind in ("label_file", "human"):
@@ -40,7 +39,7 @@ def _collect_rows(
         if path is None:
             raise ValueError("preferences.source: human labels were not collected (no label file)")
         return import_labels(path), {}, []
-    policy = AutoModelForCausalLM.from_pretrained(reference.path, dtype=torch.float32)
+    policy = load_causal_lm(reference.path)
     prompts = train[: source.n_prompts] if source.n_prompts else train
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling,
@@ -56,7 +55,8 @@ def _collect_rows(
 @task(name="collect_preferences", cache_key_fn=key_from_parameters, persist_result=True)
 def collect_preferences(
     key: str,
-    settings: dict,
+    preferences: PreferencesConfig,
+    prompts: PromptConfig,
     reference: ReferenceRef,
     work_dir: str,
     tracking: TrackingContext,
@@ -64,18 +64,16 @@ def collect_preferences(
 ) -> PreferenceSet:
     start = time.perf_counter()
     log = logger()
-    prefs = PreferencesConfig.model_validate(settings["preferences"])
-    prompt_cfg = PromptConfig.model_validate(settings["prompts"])
     folder = stage_dir(work_dir, "collect_preferences", key)
-    train, heldout = split_prompts(load_prompts(prompt_cfg), prompt_cfg.heldout_fraction)
+    train, heldout = split_prompts(load_prompts(prompts), prompts.heldout_fraction)
     if not train or not heldout:
         raise ValueError(
-            f"prompts: {len(train)} training and {len(heldout)} held-out prompts from {prompt_cfg.source!r}; "
+            f"prompts: {len(train)} training and {len(heldout)} held-out prompts from {prompts.source!r}; "
             "both must be non-empty (add prompts or change prompts.heldout_fraction)"
         )
     log.info("prompts: %d train, %d held-out", len(train), len(heldout))
-    rows, rejected, examples = _collect_rows(prefs, prompt_cfg, train, reference, labels_path)
-    info = write_preference_set(rows, folder / f"preferences.{prefs.format}", prefs.format, rejected, examples)
+    rows, rejected, examples = _collect_rows(preferences, prompts, train, reference, labels_path)
+    info = write_preference_set(rows, folder / f"preferences.{preferences.format}", preferences.format, rejected, examples)
     result = PreferenceSet(
         path=info.path, sha256=info.sha256, n_rows=info.n_rows, n_read=info.n_read,
         rejected=info.rejected, rejected_examples=info.rejected_examples,
@@ -85,14 +83,13 @@ def collect_preferences(
     with stage_run(tracking, "collect_preferences", {"rlhf.sha256": info.sha256}) as run_id:
         result.mlflow_run_id = run_id
         result.seconds = time.perf_counter() - start
-        if run_id is not None:
-            dataset = mlflow.data.from_pandas(
-                _frame(rows), source=info.path, name=f"{tracking.pipeline}-preferences", digest=info.sha256[:16]
-            )
-            mlflow.log_input(dataset, context="training")
-            mlflow.log_metrics({"n_rows": info.n_rows, "n_read": info.n_read, "seconds": result.seconds,
-                                **{f"rejected/{k}": v for k, v in info.rejected.items()}})
-            mlflow.log_dict(info.model_dump(mode="json"), "preference_set.json")
+        dataset = mlflow.data.from_pandas(
+            _frame(rows), source=info.path, name=f"{tracking.pipeline}-preferences", digest=info.sha256[:16]
+        )
+        mlflow.log_input(dataset, context="training")
+        mlflow.log_metrics({"n_rows": info.n_rows, "n_read": info.n_read, "seconds": result.seconds,
+                            **{f"rejected/{k}": v for k, v in info.rejected.items()}})
+        mlflow.log_dict(info.model_dump(mode="json"), "preference_set.json")
     log.info("preference set: %d pairs (%d read, rejected %s) in %.1fs", info.n_rows, info.n_read, info.rejected, result.seconds)
     return result
 

@@ -9,6 +9,7 @@ from prefect import task
 
 from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import ReferenceRef
+from flows.registration import lineage_tags
 from flows.registry import register_model
 from flows.stages.common import fresh_tmp, logger, publish, stage_dir
 from flows.tracking import TrackingContext, stage_run
@@ -23,7 +24,6 @@ def snapshot_reference(
     trust_remote_code: bool,
     work_dir: str,
     tracking: TrackingContext,
-    register: bool = True,
 ) -> ReferenceRef:
     """Load the base policy once (GGUF is dequantised here) and write it as a normal HF folder.
 
@@ -44,18 +44,14 @@ def snapshot_reference(
     ref = ReferenceRef(path=str(final), sha256=sha, seconds=0.0)
     with stage_run(tracking, "snapshot_reference", {"rlhf.sha256": sha}) as run_id:
         ref.mlflow_run_id = run_id
-        if run_id is not None:
-            mlflow.log_params({"source": source, "parameters": sum(p.numel() for p in model.parameters())})
-            if register:
-                name = f"{tracking.pipeline}-reference"
-                ref.model_uri, ref.version = register_model(
-                    tracking.uri, name, model, tokenizer, "text-generation", sha,
-                    {"rlhf.source": source, "rlhf.config_hash": tracking.config_hash,
-                     "prefect.flow_run_id": tracking.flow_run_id},
-                )
-                ref.registered_name = name
+        mlflow.log_params({"source": source, "parameters": sum(p.numel() for p in model.parameters())})
+        if tracking.register_models:
+            name = f"{tracking.pipeline}-reference"
+            ref.model_uri, ref.version = register_model(
+                tracking.uri, name, model, tokenizer, "text-generation", sha, lineage_tags(tracking, source=source)
+            )
+            ref.registered_name = name
         ref.seconds = time.perf_counter() - start
-        if run_id is not None:
-            mlflow.log_metric("seconds", ref.seconds)
+        mlflow.log_metric("seconds", ref.seconds)
     log.info("reference %s (sha256 %s) in %.1fs", final, sha[:12], ref.seconds)
     return ref
