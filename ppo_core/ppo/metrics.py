@@ -97,6 +97,22 @@ def rollout_metrics(
     }
 
 
+def timing_metrics(exp: Experience, marks: tuple[float, float, float, float, float], ppo_epochs: int) -> dict[str, float]:
+    """Seconds per phase from the iteration's time marks (start, after rollout, scoring, the
+    experience forwards, the update) and token throughputs."""
+    t0, t1, t2, t3, t4 = marks
+    tokens = int(exp.rollout.attention_mask.sum())
+    return {
+        "time/rollout": t1 - t0,
+        "time/score": t2 - t1,
+        "time/forward": t3 - t2,
+        "time/update": t4 - t3,
+        "time/iteration": t4 - t0,
+        "throughput/generated_tokens_per_s": float(exp.mask.sum()) / max(t1 - t0, 1e-9),
+        "throughput/tokens_per_s": tokens * (1 + ppo_epochs) / max(t4 - t0, 1e-9),
+    }
+
+
 def sample_table(exp: Experience | None, tokenizer: PreTrainedTokenizerBase, n: int = 8) -> list[dict[str, str | float]]:
     """The first n responses of an iteration, decoded, with score and sequence KL, for people."""
     if exp is None:

@@ -45,6 +45,7 @@ from ppo_core.ppo.metrics import (
     MetricsCallback,
     rollout_metrics,
     sample_table,
+    timing_metrics,
 )
 from ppo_core.ppo.value import CriticModel, SharedValueHead
 
@@ -127,8 +128,8 @@ class PPOTrainer:
         cfg = self.config
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
         critic_lr = cfg.critic_learning_rate or cfg.learning_rate
-        # fused: one kernel per step on CPU and CUDA, same update as the default for-loop AdamW,
-        # which on CPU costs ~0.4 s per 135M-parameter step (tests/bench/README.md)
+        # fused: one kernel per step on CPU and CUDA, the same update as the default for-loop
+        # AdamW (timings in tests/bench/README.md)
         kwargs = {"eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "fused": True}
         return [
             torch.optim.AdamW(policy_params, lr=cfg.learning_rate, **kwargs),
@@ -177,15 +178,12 @@ class PPOTrainer:
             scheduler.step()
         self.iteration += 1
         self.last_experience = exp
-        metrics = rollout_metrics(exp, beta, raw_scores, kl_in_reward=self.config.kl.in_reward)
-        metrics.update(update)
-        tokens = int(exp.rollout.attention_mask.sum())
-        metrics.update({
-            "lr": lr, "time/rollout": t1 - t0, "time/score": t2 - t1, "time/forward": t3 - t2,
-            "time/update": t4 - t3, "time/iteration": t4 - t0,
-            "throughput/generated_tokens_per_s": float(exp.mask.sum()) / max(t1 - t0, 1e-9),
-            "throughput/tokens_per_s": tokens * (1 + self.config.ppo_epochs) / max(t4 - t0, 1e-9),
-        })
+        metrics = {
+            **rollout_metrics(exp, beta, raw_scores, kl_in_reward=self.config.kl.in_reward),
+            **update,
+            "lr": lr,
+            **timing_metrics(exp, (t0, t1, t2, t3, t4), self.config.ppo_epochs),
+        }
         metrics = self.dp.mean_floats(metrics)  # the update's are already global; rollouts' per rank
         if self.on_metrics is not None:
             self.on_metrics(self.iteration, metrics)
