@@ -24,7 +24,7 @@ from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
 from flows.human import collect_human_labels, sample_pairs_for_labelling
-from flows.refs import ReferenceRef
+from flows.refs import ReferenceRef, StageRef
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
@@ -58,21 +58,31 @@ class StageRunner:
         self.records: list[StageRecord] = []
 
     def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
-        orch = self.cfg.orchestration
-        configured = stage_task.with_options(
-            result_storage=self.storage,
-            retries=orch.retries,
-            retry_delay_seconds=exponential_backoff(backoff_factor=orch.retry_delay_seconds) if orch.retries else 0,
-            refresh_cache=stage in self.forced,
-        )
         start = time.perf_counter()
-        state = configured(return_state=True, **kwargs)
+        state = self._configured(stage_task, refresh=stage in self.forced)(return_state=True, **kwargs)
         result = state.result()  # raises the stage's exception when it failed
         cached = state.name == "Cached"
+        problems = result.problems() if cached and isinstance(result, StageRef) else []
+        if problems:
+            get_run_logger().warning(
+                "%s: the cached result's outputs changed on disk (%s); recomputing the stage",
+                label, "; ".join(problems),
+            )
+            state = self._configured(stage_task, refresh=True)(return_state=True, **kwargs)
+            result, cached = state.result(), False
         if cached:
             trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
         self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result))
         return result
+
+    def _configured(self, stage_task: Any, refresh: bool) -> Any:
+        orch = self.cfg.orchestration
+        return stage_task.with_options(
+            result_storage=self.storage,
+            retries=orch.retries,
+            retry_delay_seconds=exponential_backoff(backoff_factor=orch.retry_delay_seconds) if orch.retries else 0,
+            refresh_cache=refresh,
+        )
 
 
 def _headline(result: Any) -> dict[str, Any]:

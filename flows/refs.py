@@ -6,7 +6,11 @@ reruns exactly when something it reads has changed.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field
+
+from ppo_core.lm.checkpoint import sha256_file, sha256_tree
 
 
 class StageRef(BaseModel):
@@ -19,6 +23,15 @@ class StageRef(BaseModel):
     mlflow_run_id: str | None = None
     """The MLflow run that produced it."""
 
+    def problems(self) -> list[str]:
+        """Why the outputs on disk are not the ones this reference names (empty when they
+        are): a cached result is trusted only when this is empty."""
+        path = Path(self.path)
+        if not path.exists():
+            return [f"{path} is missing"]
+        found = sha256_tree(path) if path.is_dir() else sha256_file(path)
+        return [] if found == self.sha256 else [f"{path} has sha256 {found[:12]}, recorded {self.sha256[:12]}"]
+
 
 class PreferenceSet(StageRef):
     n_rows: int
@@ -28,6 +41,10 @@ class PreferenceSet(StageRef):
     train_prompts_path: str
     heldout_prompts_path: str
     seconds: float = 0.0
+
+    def problems(self) -> list[str]:
+        prompt_files = (self.train_prompts_path, self.heldout_prompts_path)
+        return super().problems() + [f"{p} is missing" for p in prompt_files if not Path(p).is_file()]
 
 
 class ModelRef(StageRef):
@@ -59,6 +76,11 @@ class PolicyCheckpoint(ModelRef):
     metrics: dict[str, float] = Field(default_factory=dict)
     """Last iteration's metrics."""
     seconds: float = 0.0
+
+    def problems(self) -> list[str]:
+        """The exported policy, and the trainer state the next round continues from."""
+        state = [] if Path(self.state_path).is_dir() else [f"{self.state_path} is missing"]
+        return super().problems() + state
 
 
 class EvalRef(StageRef):

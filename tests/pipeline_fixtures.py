@@ -298,3 +298,22 @@ def resumed_run(crashed_run: Run) -> Run:
     if run.result is not None:
         run.notes["round_2_steps"] = metric_steps(run, "ppo_round_2")
     return run
+
+
+@pytest.fixture(scope="session")
+def damaged_run(pipeline_env: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A finished tiny run whose outputs are then damaged behind the cache's back: the reward
+    model's weights truncated, the last round's exported policy deleted. Then the same run again."""
+    folder = tmp_path_factory.mktemp("damaged")
+    intact = run_pipeline(folder)
+    assert intact.result is not None, f"first run failed: {intact.error!r}"
+    rm_weights = next((folder / ".rlhf" / "tiny" / "stages" / "train_reward_model").glob("*/model/*.safetensors"))
+    rm_weights.write_bytes(rm_weights.read_bytes()[:1000])
+    policy = Path(intact.result["policy_path"])
+    for item in policy.iterdir():
+        item.unlink()
+    policy.rmdir()
+    run = run_pipeline(folder)
+    run.notes["intact"] = intact
+    run.notes["damaged"] = {"rm_weights": rm_weights, "policy": policy}
+    return run
