@@ -29,7 +29,7 @@ from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.prompts import encode_prompts
-from ppo_core.lm.checkpoint import latest_checkpoint, prune_checkpoints
+from ppo_core.lm.checkpoint import prune_checkpoints
 from ppo_core.lm.distributed import DataParallel, shutdown
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.ppo.metrics import MetricsCallback
@@ -137,9 +137,8 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
     dp = parallel or DataParallel()
     metric_logger = MetricLogger(job.run_id if dp.is_main else None, job.tracking_uri)
     trainer = build_trainer(job, metric_logger, dp)
-    resumed = latest_checkpoint(job.state_dir)
+    resumed = trainer.load(job.state_dir)  # `latest`, or the newest intact checkpoint if it is corrupt
     if resumed is not None:
-        trainer.load(resumed)
         logger().info("round %d: resuming from in-round checkpoint %s", job.round_number, resumed.name)
     elif job.previous_state is not None:
         trainer.load(job.previous_state)

@@ -388,10 +388,10 @@ class PPOTrainer:
         self.dp.barrier()
         return Path(root) / name
 
-    def load(self, root_or_folder: str | Path) -> bool:
-        """Restore from a checkpoint folder or a root with `latest`; False when there is none."""
-        state = read_checkpoint(root_or_folder, self.device)
-        if state is None:
-            return False
-        self.load_state_dict(state)
-        return True
+    def load(self, root_or_folder: str | Path) -> Path | None:
+        """Restore from a checkpoint folder or a root (its `latest`, else its newest intact
+        checkpoint: read_checkpoint); returns the folder loaded, None when there is none."""
+        found = read_checkpoint(root_or_folder, self.device)
+        if found is not None:
+            self.load_state_dict(found.state)
+        return None if found is None else found.folder
