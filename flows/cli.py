@@ -63,6 +63,7 @@ def _print_result(result: dict[str, Any]) -> None:
     for label in ("reference_uri", "reward_model_uri", "policy_uri", "champion_uri"):
         if result.get(label):
             typer.echo(f"{label.replace('_uri', '').replace('_', ' '):<13} {result[label]}")
+    typer.echo(f"Final policy: {result['policy_path']}   (sha256 {result['policy_sha256']})")
     typer.echo(f"Evaluation report: {result['report_path']}")
     typer.echo(f"MLflow UI: mlflow ui --backend-store-uri {result['mlflow_uri']}   (parent run {result['mlflow_parent_run_id']})")
     typer.echo(f"Prefect flow run: {result['flow_run_id']}   (prefect flow-run inspect {result['flow_run_id']})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -15,9 +16,19 @@ URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///./ml
 
 def _uri(uri: str | None) -> str:
     configure_environment(os.environ.get("RLHF_WORK_DIR", ".rlhf"))
+    # an unreachable server is reported in seconds, not after MLflow's minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from flows.tracking import default_tracking_uri
 
     return uri or default_tracking_uri(Path.cwd())
+
+
+def _fail(what: str, exc: Exception) -> NoReturn:
+    """One `error: ...` line (the first line of the exception's message) and exit code 2."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    typer.echo(f"error: {what}: {lines[0] if lines else type(exc).__name__}", err=True)
+    raise typer.Exit(2) from None
 
 
 @models_app.command("list")
@@ -25,7 +36,11 @@ def list_(name: str = typer.Argument(None), uri: str = typer.Option(None, help=U
     """Versions, aliases and key metrics (all registered models, or NAME's versions)."""
     from flows.registry import list_models
 
-    rows = list_models(_uri(uri), name)
+    uri = _uri(uri)
+    try:
+        rows = list_models(uri, name)
+    except Exception as exc:
+        _fail(name or uri, exc)
     if not rows:
         typer.echo("no registered models")
     for row in rows:
@@ -41,15 +56,15 @@ def get(
     spec: str = typer.Argument(..., help="NAME@ALIAS or NAME/VERSION"),
     out: Path = typer.Option(..., "--out", help="Folder to write a plain Hugging Face model to."),
     uri: str = typer.Option(None, help=URI_HELP),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder."),
 ) -> None:
     """Export a registered model as a folder that AutoModel*.from_pretrained(DIR) loads."""
     from flows.registry import export_hf_folder
 
     try:
-        folder = export_hf_folder(_uri(uri), spec, out)
+        folder = export_hf_folder(_uri(uri), spec, out, force=force)
     except Exception as exc:
-        typer.echo(f"error: {spec}: {exc}", err=True)
-        raise typer.Exit(2) from None
+        _fail(spec, exc)
     typer.echo(f"wrote {folder}")
 
 
@@ -58,5 +73,8 @@ def promote(name: str, version: str, alias: str, uri: str = typer.Option(None, h
     """Point ALIAS (e.g. champion) at VERSION of NAME."""
     from flows.registry import set_alias
 
-    set_alias(_uri(uri), name, version, alias)
+    try:
+        set_alias(_uri(uri), name, version, alias)
+    except Exception as exc:
+        _fail(f"{name} version {version}", exc)
     typer.echo(f"{name}@{alias} -> version {version}")

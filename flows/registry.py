@@ -8,7 +8,9 @@ Registration is idempotent: a version whose `rlhf.sha256` tag matches is reused.
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from importlib.metadata import version as pkg_version
 from pathlib import Path
 from typing import Any
@@ -106,21 +108,46 @@ def model_uri(spec: str) -> str:
     return spec if spec.startswith("models:/") else f"models:/{spec}"
 
 
-def export_hf_folder(uri: str, spec: str, out: str | Path) -> Path:
+class ExportError(RuntimeError):
+    """`rlhf models get` cannot write where it was asked to; nothing was written."""
+
+
+def export_hf_folder(uri: str, spec: str, out: str | Path, force: bool = False) -> Path:
     """Download a registered transformers model as a plain Hugging Face folder (weights,
-    config, tokenizer) that `from_pretrained(out)` loads without mlflow."""
-    mlflow.set_tracking_uri(uri)
-    out = Path(out)
-    staging = out.with_name(f".{out.name}.download")
-    if staging.exists():
-        shutil.rmtree(staging)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri(spec), dst_path=str(staging)))
-    out.mkdir(parents=True, exist_ok=True)
-    for sub in (local / "model", local / "components" / "tokenizer"):
-        if sub.is_dir():
-            for item in sub.iterdir():
-                shutil.copy2(item, out / item.name) if item.is_file() else shutil.copytree(item, out / item.name, dirs_exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    if not (out / "config.json").exists():
-        raise FileNotFoundError(f"{spec}: the downloaded model has no config.json (not a transformers model?)")
+    config, tokenizer) that `from_pretrained(out)` loads without mlflow.
+
+    The folder is assembled beside `out` and renamed into place, so `out` is either the whole
+    model or untouched, and a failed download leaves nothing behind. An existing non-empty
+    `out` is replaced only with `force` (never merged: stale shards would load beside new ones).
+    """
+    out = Path(out).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.download-", dir=out.parent))
+    try:
+        mlflow.set_tracking_uri(uri)
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri(spec), dst_path=str(staging / "artifacts")))
+        folder = staging / "model"
+        folder.mkdir()
+        for sub in (local / "model", local / "components" / "tokenizer"):
+            if sub.is_dir():
+                for item in sub.iterdir():
+                    shutil.copy2(item, folder / item.name) if item.is_file() else shutil.copytree(item, folder / item.name)
+        if not (folder / "config.json").exists():
+            raise ExportError(f"{spec}: the registered model has no config.json (not a transformers model?)")
+        _replace(folder, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _replace(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an existing `out` is moved aside first and deleted last."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(new, out)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -338,3 +338,49 @@ def test_best_round_promotion_registers_an_earlier_round_as_champion(best_round_
     champion = report["rounds"][str(expected)]
     assert eval_run.data.metrics["champion_gold"] == pytest.approx(champion["gold_reward"])
     assert eval_run.data.metrics["champion_kl_exact"] == pytest.approx(champion["kl_exact"])
+
+
+def test_models_get_never_merges_into_a_folder_and_leaves_no_debris(second_run: Run, tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    out.mkdir()
+    (out / "model-00002-of-00002.safetensors").write_text("a stale shard of another model")
+
+    def get(*extra: str):
+        return run_cli("models", "get", *extra, "--uri", second_run.tracking_uri, cwd=tmp_path)
+
+    refused = get("tiny-policy@champion", "--out", str(out))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: tiny-policy@champion: {out} exists and is not empty; choose another --out or pass --force to replace it"
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["model-00002-of-00002.safetensors"]
+
+    missing = get("tiny-policy/99", "--out", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: tiny-policy/99: ")
+    assert len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+
+    replaced = get("tiny-policy@champion", "--out", str(out), "--force")
+    assert replaced.returncode == 0, replaced.stderr
+    assert (out / "config.json").exists() and not (out / "model-00002-of-00002.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no download or old folders left
+
+
+def test_models_commands_fail_with_one_error_line(second_run: Run, tmp_path: Path) -> None:
+    import time
+
+    def models(*args: str, uri: str = second_run.tracking_uri):
+        start = time.perf_counter()
+        proc = run_cli("models", *args, "--uri", uri, cwd=tmp_path, timeout=120)
+        return proc, time.perf_counter() - start
+
+    for args, prefix in (
+        (("list", "no-such-model"), "error: no-such-model: "),
+        (("promote", "tiny-policy", "99", "champion"), "error: tiny-policy version 99: "),
+    ):
+        proc, _ = models(*args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+    dead, seconds = models("list", uri="http://127.0.0.1:9")  # nothing listens on the discard port
+    assert dead.returncode == 2 and len(dead.stderr.strip().splitlines()) == 1, dead.stderr
+    assert dead.stderr.startswith("error: http://127.0.0.1:9: ") and seconds < 60
