@@ -24,6 +24,7 @@ from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
 from flows.human import collect_human_labels, sample_pairs_for_labelling
+from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
@@ -54,7 +55,7 @@ class StageRunner:
 
     def __init__(self, cfg: PipelineConfig, work_dir: Path, ctx: trk.TrackingContext, forced: set[str]) -> None:
         self.cfg, self.ctx, self.forced = cfg, ctx, forced
-        self.storage = work_dir / "results"  # a Path: Prefect uses it as local storage, no block to save
+        self.storage = RecordStorage.for_folder(work_dir / "results")  # JSON records only (flows.records)
         self.records: list[StageRecord] = []
 
     def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
@@ -79,6 +80,7 @@ class StageRunner:
         orch = self.cfg.orchestration
         return stage_task.with_options(
             result_storage=self.storage,
+            result_serializer=RECORD_SERIALIZER,
             retries=orch.retries,
             retry_delay_seconds=exponential_backoff(backoff_factor=orch.retry_delay_seconds) if orch.retries else 0,
             refresh_cache=refresh,

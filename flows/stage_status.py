@@ -9,15 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect.filesystems import LocalFileSystem
 from prefect.results import ResultStore
 
 from flows import keys
 from flows.config import PipelineConfig
+from flows.records import RECORD_SERIALIZER, RecordStorage
 
 
 def _reader(work_dir: Path):
-    store = ResultStore(result_storage=LocalFileSystem(basepath=str(work_dir / "results")))
+    store = ResultStore(result_storage=RecordStorage(basepath=str(work_dir / "results")), serializer=RECORD_SERIALIZER)
 
     def read(key: str) -> Any | None:
         if not store.exists(key):

@@ -317,3 +317,33 @@ def damaged_run(pipeline_env: Path, tmp_path_factory: pytest.TempPathFactory) ->
     run.notes["intact"] = intact
     run.notes["damaged"] = {"rm_weights": rm_weights, "policy": policy}
     return run
+
+
+class _Payload:
+    """Unpickling this creates a folder: the stand-in for code an attacker would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.marker),))
+
+
+@pytest.fixture(scope="session")
+def tampered_run(damaged_run: Run) -> Run:
+    """The damaged folder's evaluate record replaced by a pickle record (Prefect's default
+    format) whose unpickling would run code; then `rlhf stages` and the same run again."""
+    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import PickleSerializer
+
+    folder = damaged_run.folder
+    table = stage_table_rows(folder)
+    record = folder / ".rlhf" / "tiny" / "results" / table["evaluate"]["key"]
+    marker = folder / "payload-ran"
+    evil = ResultRecord(metadata=ResultRecordMetadata(serializer=PickleSerializer()), result=_Payload(marker))
+    run_notes = {"record": record, "marker": marker, "honest_record": json.loads(record.read_bytes())}
+    record.write_bytes(evil.serialize())
+    run_notes["stages_with_tampered_record"] = stage_status(folder)
+    run = run_pipeline(folder)
+    run.notes.update(run_notes)
+    return run

@@ -5,6 +5,7 @@ Runs the tiny pipeline with the real Prefect engine and MLflow (tests/pipeline_f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,41 @@ def test_a_stage_reference_reports_what_changed_on_disk(tmp_path: Path) -> None:
     (policy / "model.safetensors").unlink()
     policy.rmdir()
     assert ckpt.problems()[0] == f"{policy} is missing"
+
+
+def test_cache_records_are_json_and_a_tampered_record_is_never_executed(tampered_run: Run) -> None:
+    notes = tampered_run.notes
+    honest = notes["honest_record"]
+    assert honest["metadata"]["serializer"]["type"] == "json"
+    assert json.loads(honest["result"])["__class__"] == "flows.refs.EvalRef"
+    # `rlhf stages` read the pickle record as absent, without unpickling it
+    assert notes["stages_with_tampered_record"]["evaluate"] == "missing"
+    assert notes["stages_with_tampered_record"]["ppo_round_2"] == "cached"
+    # the run recomputed evaluation, wrote an honest record over the pickle, and ran no payload
+    assert tampered_run.result is not None, f"the rerun failed: {tampered_run.error!r}"
+    assert tampered_run.stages["evaluate"] == "Completed"
+    assert tampered_run.stages["ppo_round_2"] == "Cached"
+    assert json.loads(Path(notes["record"]).read_bytes())["metadata"]["serializer"]["type"] == "json"
+    assert not Path(notes["marker"]).exists()
+
+
+def test_record_check_refuses_foreign_serializers_and_classes() -> None:
+    from flows.records import RECORD_SERIALIZER, UntrustedRecordError, check_record
+
+    serializer = RECORD_SERIALIZER.model_dump(mode="json")
+
+    def record(result: object, ser: object = serializer) -> bytes:
+        return json.dumps({"metadata": {"serializer": ser}, "result": json.dumps(result)}).encode()
+
+    ok = record({"__class__": "flows.refs.ReferenceRef", "data": {"path": "p", "sha256": "s"}})
+    assert check_record(ok, "k") == ok
+    assert check_record(record("a/path/labels.jsonl"), "k")  # the human-pairs stage returns a path
+    for bad, reason in (
+        (record({"__class__": "subprocess.Popen", "data": ["ls"]}), "subprocess.Popen"),
+        (record([{"x": {"__exc_type__": "os.error", "message": "m"}}]), "os.error"),
+        (record("x", {**serializer, "jsonlib": "pickle"}), "serializer 'json'"),
+        (record("x", {"type": "pickle"}), "serializer 'pickle'"),
+        (b"\x80\x04not json", "not a JSON result record"),
+    ):
+        with pytest.raises(UntrustedRecordError, match=reason.replace(".", r"\.")):
+            check_record(bad, "k")
