@@ -99,12 +99,15 @@ def run(
     if bad:
         typer.echo(f"error: --force: unknown stage(s) {bad}; stages are {', '.join(STAGES)}", err=True)
         raise typer.Exit(2)
+    from flows.locks import WorkFolderBusy, work_folder_lock
+    from flows.pipeline import pipeline_work_dir
     from flows.tracking import TrackingError
 
     try:
         _check_tracking(cfg)
-        result = _run_flow(cfg.model_dump(mode="json"), force)
-    except TrackingError as err:
+        with work_folder_lock(pipeline_work_dir(cfg)):  # checked before Prefect starts; the flow re-enters it
+            result = _run_flow(cfg.model_dump(mode="json"), force)
+    except (TrackingError, WorkFolderBusy) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     _print_result(result)

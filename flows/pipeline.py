@@ -24,6 +24,7 @@ from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
 from flows.human import collect_human_labels, sample_pairs_for_labelling
+from flows.locks import work_folder_lock
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
 from flows.stages.evaluate import evaluate
@@ -123,8 +124,18 @@ def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk
 def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline for one validated config."""
     cfg = PipelineConfig.model_validate(config)
+    work_dir = pipeline_work_dir(cfg)
+    with work_folder_lock(work_dir):
+        return _run_stages(cfg, work_dir, force)
+
+
+def pipeline_work_dir(cfg: PipelineConfig) -> Path:
+    """Where this pipeline's stages, results and checkpoints live (one run at a time)."""
+    return (Path(cfg.orchestration.work_dir) / cfg.name).resolve()
+
+
+def _run_stages(cfg: PipelineConfig, work_dir: Path, force: list[str] | None) -> dict[str, Any]:
     log = get_run_logger()
-    work_dir = (Path(cfg.orchestration.work_dir) / cfg.name).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     flow_run_id = str(get_run_context().flow_run.id)
     ctx = _open_tracking(cfg, work_dir, flow_run_id)

@@ -20,6 +20,8 @@ from mlflow import MlflowClient
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
+from flows.faults import kill_point
+
 SHA_TAG = "rlhf.sha256"
 SIGNATURES = {
     "text-generation": ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")])),
@@ -54,9 +56,16 @@ def register_model(
     tags: dict[str, str],
     aliases: tuple[str, ...] = (),
 ) -> tuple[str, str]:
-    """Log `model` in the active run and register it as `name`; return (models:/ URI, version)."""
+    """Log `model` in the active run and register it as `name`; return (models:/ URI, version).
+
+    The content hash is the version's identity: a version with the same `rlhf.sha256` is reused,
+    and a new version is created with its hash and lineage tags in the same call, so a crash can
+    leave at most a logged model that no version points to (never an untagged version). Two
+    runs registering the same content at once both create a version; the lower one is kept and
+    the other deleted."""
     client = MlflowClient(uri)
     existing = find_version(client, name, sha256)
+    all_tags = {SHA_TAG: sha256, **tags}
     if existing is None:
         info = mlflow.transformers.log_model(
             transformers_model={"model": model, "tokenizer": tokenizer},
@@ -64,16 +73,26 @@ def register_model(
             task=task,
             signature=SIGNATURES[task],
             pip_requirements=pip_requirements(),
-            registered_model_name=name,
         )
-        version = str(info.registered_model_version)
+        kill_point("register")
+        created = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in all_tags.items()})
+        version = _keep_first(client, name, sha256, str(created.version))
     else:
         version = str(existing.version)
-    for key, value in {SHA_TAG: sha256, **tags}.items():
-        client.set_model_version_tag(name, version, key, str(value))
+        for key, value in all_tags.items():
+            client.set_model_version_tag(name, version, key, str(value))
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version)
     return f"models:/{name}/{version}", version
+
+
+def _keep_first(client: MlflowClient, name: str, sha256: str, created: str) -> str:
+    """The lowest version holding `sha256`; `created` is deleted when a concurrent run got there first."""
+    same = sorted(int(mv.version) for mv in client.search_model_versions(f"name = '{name}'") if mv.tags.get(SHA_TAG) == sha256)
+    first = str(same[0]) if same else created
+    if first != created:
+        client.delete_model_version(name, created)
+    return first
 
 
 def set_alias(uri: str, name: str, version: str, alias: str) -> None:

@@ -24,6 +24,9 @@ from mlflow import MlflowClient
 from mlflow.entities import RunStatus
 from pydantic import BaseModel
 
+from flows.faults import kill_point
+from flows.locks import creation_lock
+
 PARENT_TAG = "rlhf.pipeline_run"
 CONFIG_HASH_TAG = "rlhf.config_hash"
 
@@ -61,8 +64,9 @@ def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str
     mlflow.set_tracking_uri(uri)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    client = MlflowClient(uri)
     try:
+        create_sqlite_store(uri)
+        client = MlflowClient(uri)
         found = client.get_experiment_by_name(experiment)
         if found is not None:
             return found.experiment_id
@@ -70,6 +74,29 @@ def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str
         return client.create_experiment(experiment, artifact_location=location)
     except Exception as exc:  # mlflow raises many types for unreachable/misconfigured stores
         raise TrackingError(f"tracking.uri {uri!r}: MLflow tracking store unusable: {type(exc).__name__}: {exc}") from None
+
+
+def create_sqlite_store(uri: str) -> None:
+    """Create a `sqlite:///` store's database whole or not at all: its schema is built in a
+    temporary file that is renamed into place, under a lock, so a kill during creation leaves no
+    half-migrated database and two runs starting at once do not migrate it twice."""
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    if db.exists():
+        return
+    with creation_lock(db):
+        if db.exists():  # another process created it while we waited
+            return
+        for stale in db.parent.glob(f".{db.name}.tmp-*"):  # a creator killed before its rename
+            stale.unlink()
+        tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
+        try:
+            MlflowClient(f"sqlite:///{tmp.as_posix()}").search_experiments(max_results=1)  # builds the schema
+            kill_point("tracking_store")
+            os.replace(tmp, db)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def open_parent_run(ctx: TrackingContext, run_name: str, config: dict[str, Any]) -> str:

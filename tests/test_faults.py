@@ -5,14 +5,20 @@ Runs the tiny pipeline with the real Prefect engine and MLflow (tests/pipeline_f
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 pytest.register_assert_rewrite("tests.pipeline_fixtures")
 
-from tests.pipeline_fixtures import Run  # noqa: E402
+from tests.pipeline_fixtures import QUIET_ENV, TINY_CONFIG, Run  # noqa: E402
 
 pytest_plugins = ["tests.pipeline_fixtures"]
 pytestmark = pytest.mark.slow
@@ -103,3 +109,82 @@ def test_record_check_refuses_foreign_serializers_and_classes() -> None:
     ):
         with pytest.raises(UntrustedRecordError, match=reason.replace(".", r"\.")):
             check_record(bad, "k")
+
+
+def _python(code: str, cwd: Path, **env: str) -> subprocess.Popen:
+    full_env = {**os.environ, **QUIET_ENV, **env}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=full_env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rlhf_run(cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """`rlhf run configs/tiny.yaml` as a job of its own (a process group, as from a shell)."""
+    full_env = {**os.environ, **QUIET_ENV, **env}
+    full_env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG)], cwd=cwd, env=full_env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_the_tracking_store_is_created_whole_even_when_killed_or_raced(tmp_path: Path) -> None:
+    """A kill while MLflow builds a new sqlite store used to leave a half-migrated mlflow.db
+    that failed every later run; two runs starting at once migrated it twice."""
+    db = tmp_path / "mlflow.db"
+    connect = f"from flows.tracking import connect; print(connect('sqlite:///{db}', 'exp'))"
+    killed = _python(connect, tmp_path, RLHF_KILL_AT="tracking_store")
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    assert not db.exists() and list(tmp_path.glob(".mlflow.db.tmp-*"))  # it died after building the schema
+    racers = [_python(connect, tmp_path) for _ in range(2)]
+    outs = [(p.wait(timeout=120), *p.communicate()) for p in racers]
+    assert [rc for rc, _, _ in outs] == [0, 0], outs
+    assert outs[0][1].strip() == outs[1][1].strip()  # the same experiment id for both
+    assert db.exists() and not list(tmp_path.glob(".mlflow.db.tmp-*"))
+
+
+def test_a_second_run_in_the_same_work_folder_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    from flows.locks import work_folder_lock
+
+    work = tmp_path / ".rlhf" / "tiny"
+    holder = _python(
+        f"from flows.locks import work_folder_lock\nwith work_folder_lock({str(work)!r}):\n"
+        "    print('held', flush=True)\n    import time; time.sleep(600)",
+        tmp_path,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = _rlhf_run(tmp_path, timeout=120)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert [line for line in second.stderr.splitlines() if line.startswith("error:")] == [
+            f"error: work folder {work} is in use by pid {holder.pid} on {socket.gethostname()} "
+            f"since {json.loads((work / '.run.lock').read_text())['since']} ({json.loads((work / '.run.lock').read_text())['command']}); "
+            "wait for that run to finish or set orchestration.work_dir"
+        ]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with work_folder_lock(work):  # the dead holder's lock is taken over
+        assert json.loads((work / ".run.lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_kill_during_registration_leaves_one_tagged_version_per_model(pipeline_env: Path, tmp_path: Path) -> None:
+    """SIGKILL of `rlhf run` between logging the reference and registering it, then the same
+    command again: it finishes, and every registered model has exactly one version per content
+    hash, each carrying its hash (before, an untagged version made the rerun register a twin)."""
+    from mlflow import MlflowClient
+
+    killed = _rlhf_run(tmp_path, timeout=300, RLHF_KILL_AT="register")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    rerun = _rlhf_run(tmp_path, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    versions = {rm.name: client.search_model_versions(f"name = '{rm.name}'") for rm in client.search_registered_models()}
+    assert set(versions) == {"tiny-reference", "tiny-reward-model", "tiny-policy"}
+    for name, found in versions.items():
+        hashes = [mv.tags.get("rlhf.sha256") for mv in found]
+        assert None not in hashes and len(hashes) == len(set(hashes)), (name, hashes)
+    assert len(versions["tiny-reference"]) == 1
