@@ -7,6 +7,7 @@ file also records who holds it, for the message a second run prints.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 WORK_LOCK = ".run.lock"
 _held: dict[Path, int] = {}  # lock files this process holds -> nesting depth
+_previous: dict[Path, dict] = {}  # what a killed holder left in a lock file this process took over
 
 
 class WorkFolderBusy(RuntimeError):
@@ -45,22 +47,40 @@ def work_folder_lock(work_dir: str | Path) -> Iterator[None]:
         except BlockingIOError:
             raise WorkFolderBusy(f"work folder {path.parent} is in use by {_holder(path)}; "
                                  "wait for that run to finish or set orchestration.work_dir") from None
-        _write_holder(fd)
+        left = os.pread(fd, 1 << 16, 0)
+        if left.strip():  # a holder that ended normally clears the file: this one was killed
+            with contextlib.suppress(ValueError):
+                _previous[path] = json.loads(left)
+        _write_holder(fd, {})
         _held[path] = 1
         try:
             yield
         finally:
             del _held[path]
+            _previous.pop(path, None)
             os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # releases the lock
 
 
-def _write_holder(fd: int) -> None:
+def _write_holder(fd: int, extra: dict) -> None:
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv)[:200]}
+              "command": " ".join(sys.argv)[:200], **extra}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+
+def record_holder(work_dir: str | Path, **fields: str) -> dict | None:
+    """Add `fields` (e.g. the Prefect flow run id) to the held lock's holder record and return
+    the record a killed earlier holder left behind, if the lock was taken over from one."""
+    path = (Path(work_dir) / WORK_LOCK).resolve()
+    if path not in _held:
+        raise RuntimeError(f"{path}: record_holder outside work_folder_lock")
+    current = json.loads(path.read_text() or "{}")
+    with path.open("r+") as handle:
+        handle.truncate(0)
+        handle.write(json.dumps({**current, **fields}))
+    return _previous.get(path)
 
 
 def _holder(path: Path) -> str:

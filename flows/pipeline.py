@@ -24,7 +24,8 @@ from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
 from flows.human import collect_human_labels, sample_pairs_for_labelling
-from flows.locks import work_folder_lock
+from flows.locks import record_holder, work_folder_lock
+from flows.orphans import close_orphans
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
 from flows.stages.evaluate import evaluate
@@ -139,6 +140,10 @@ def _run_stages(cfg: PipelineConfig, work_dir: Path, force: list[str] | None) ->
     work_dir.mkdir(parents=True, exist_ok=True)
     flow_run_id = str(get_run_context().flow_run.id)
     ctx = _open_tracking(cfg, work_dir, flow_run_id)
+    killed = record_holder(work_dir, flow_run_id=flow_run_id)
+    if killed is not None:
+        for line in close_orphans(ctx, killed):
+            log.warning("an earlier run in %s was killed: %s", work_dir, line)
     run = StageRunner(cfg, work_dir, ctx, forced_stages(force))
     common = {"work_dir": str(work_dir), "tracking": ctx}
     device = cfg.orchestration.device

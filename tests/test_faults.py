@@ -172,9 +172,10 @@ def test_a_second_run_in_the_same_work_folder_is_refused_naming_the_holder(tmp_p
 
 
 def test_a_kill_during_registration_leaves_one_tagged_version_per_model(pipeline_env: Path, tmp_path: Path) -> None:
-    """SIGKILL of `rlhf run` between logging the reference and registering it, then the same
-    command again: it finishes, and every registered model has exactly one version per content
-    hash, each carrying its hash (before, an untagged version made the rerun register a twin)."""
+    """SIGKILL of `rlhf run` (its process group) between logging the reference and registering
+    it, then the same command again: it finishes, every registered model has exactly one version
+    per content hash, each carrying its hash (before, an untagged version made the rerun register
+    a twin), and nothing of the killed run is left Running in Prefect or MLflow."""
     from mlflow import MlflowClient
 
     killed = _rlhf_run(tmp_path, timeout=300, RLHF_KILL_AT="register")
@@ -188,3 +189,8 @@ def test_a_kill_during_registration_leaves_one_tagged_version_per_model(pipeline
         hashes = [mv.tags.get("rlhf.sha256") for mv in found]
         assert None not in hashes and len(hashes) == len(set(hashes)), (name, hashes)
     assert len(versions["tiny-reference"]) == 1
+    # the killed run's leftovers were closed by the rerun: its Prefect flow run and its MLflow
+    # stage run (snapshot_reference, killed mid-registration) no longer claim to be running
+    assert "marked Crashed" in rerun.stderr and "MLflow run(s) marked FAILED (snapshot_reference)" in rerun.stderr
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'") == []
