@@ -10,6 +10,7 @@ import torch
 
 from ppo_core.config import SamplingConfig
 from ppo_core.eval.evaluate import (
+    HeldOut,
     ReferenceSample,
     evaluate_policy,
     evaluate_reference,
@@ -171,28 +172,24 @@ def held_out(n: int) -> tuple[list[str], list[list[int]]]:
 def test_win_rate_against_itself_is_one_half_and_a_better_policy_wins(ref) -> None:
     tok, sampling = tiny_tokenizer(), SamplingConfig(max_new_tokens=6)
     texts, ids = held_out(300)
-    baseline, reference = evaluate_reference(
-        ref, tok, texts, ids, sampling, word_sum, count_w39, seed=1
-    )
+    held = HeldOut(tok, texts, ids, sampling, word_sum, count_w39)
+    baseline, reference = evaluate_reference(ref, held, seed=1)
     assert (baseline.kl_exact, baseline.win_rate_proxy, baseline.win_rate_gold) == (0.0, 0.5, 0.5)
     # the same weights, an independent sample (seed 0 vs the reference's seed 1)
-    same = evaluate_policy(
-        copy.deepcopy(ref), ref, tok, texts, ids, sampling, word_sum, count_w39, reference, seed=0
-    )
+    same = evaluate_policy(copy.deepcopy(ref), ref, held, reference, seed=0)
     assert abs(same.kl_exact) < 1e-6
     assert abs(same.win_rate_proxy - 0.5) < 0.08, same.win_rate_proxy  # sd ~ 0.028 at n = 300
     assert abs(same.proxy_reward - baseline.proxy_reward) > 0  # really a different sample
     # the same seed reproduces the reference's responses exactly: all ties, exactly 0.5
-    tied = evaluate_policy(
-        copy.deepcopy(ref), ref, tok, texts, ids, sampling, word_sum, None, reference, seed=1
-    )
+    no_gold = HeldOut(tok, texts, ids, sampling, word_sum)
+    tied = evaluate_policy(copy.deepcopy(ref), ref, no_gold, reference, seed=1)
     assert tied.win_rate_proxy == 0.5 and tied.proxy_reward == baseline.proxy_reward
     # a policy that prefers w39 (id 43) wins on the w39-counting gold scorer and pays KL for it
     better = copy.deepcopy(ref)
     bias = torch.zeros(better.config.vocab_size)
     bias[43] = 3.0
     better.lm_head.register_forward_hook(lambda module, args, out: out + bias)
-    won = evaluate_policy(better, ref, tok, texts, ids, sampling, word_sum, count_w39, reference)
+    won = evaluate_policy(better, ref, held, reference)
     assert won.win_rate_gold > 0.75 and won.gold_reward > baseline.gold_reward + 0.5
     assert won.kl_exact > 1.0 and won.kl_k3 > 1.0
 
@@ -204,13 +201,10 @@ def test_evaluate_policy_is_seeded_and_leaves_the_callers_rng_alone(ref) -> None
     torch.manual_seed(123)
     expected_next = torch.rand(3)
     torch.manual_seed(123)
-    first = evaluate_policy(
-        policy, ref, tok, texts, ids, sampling, word_sum, batch_size=5, n_samples=3
-    )
+    held = HeldOut(tok, texts, ids, sampling, word_sum, batch_size=5, n_samples=3)
+    first = evaluate_policy(policy, ref, held)
     assert torch.equal(torch.rand(3), expected_next)
-    second = evaluate_policy(
-        policy, ref, tok, texts, ids, sampling, word_sum, batch_size=5, n_samples=3
-    )
+    second = evaluate_policy(policy, ref, held)
     assert first == second
     assert first.n == 12 and len(first.samples) == 3 and first.samples[0].prompt == texts[0]
     assert (
@@ -219,7 +213,7 @@ def test_evaluate_policy_is_seeded_and_leaves_the_callers_rng_alone(ref) -> None
     assert 0 < first.response_length <= 5 and 0 <= first.eos_rate <= 1
     # one batch at T = 0.7 is exactly: seed, generate, KL at the sampling temperature
     warm = SamplingConfig(max_new_tokens=5, temperature=0.7)
-    one_batch = evaluate_policy(policy, ref, tok, texts, ids, warm, word_sum, seed=4, batch_size=12)
+    one_batch = evaluate_policy(policy, ref, HeldOut(tok, texts, ids, warm, word_sum, batch_size=12), seed=4)
     rollout = sample(policy, ids, temperature=0.7, n=5, seed=4)
     kl = sequence_kl(policy, ref, rollout, temperature=0.7)
     assert one_batch.kl_exact == pytest.approx(kl.exact.mean().item(), abs=1e-6)
@@ -229,11 +223,9 @@ def test_evaluate_policy_is_seeded_and_leaves_the_callers_rng_alone(ref) -> None
     )
     wrong = ReferenceSample(prompts=texts[::-1], responses=texts, proxy_scores=[0.0] * 12)
     with pytest.raises(ValueError, match="different prompts"):
-        evaluate_policy(policy, ref, tok, texts, ids, sampling, word_sum, ref_responses=wrong)
+        evaluate_policy(policy, ref, held, ref_responses=wrong)
     with pytest.raises(ValueError, match="non-finite"):
-        evaluate_policy(
-            policy, ref, tok, texts, ids, sampling, lambda p, r: [float("nan")] * len(r)
-        )
+        evaluate_policy(policy, ref, HeldOut(tok, texts, ids, sampling, lambda p, r: [float("nan")] * len(r)))
 
 
 def test_prompt_mean_and_se_takes_the_error_over_prompts_not_responses() -> None:
@@ -256,38 +248,34 @@ def prompt_gold(prompts: list[str], responses: list[str]) -> list[float]:
 def test_several_samples_per_prompt_pair_the_gold_gain_by_prompt(ref) -> None:
     tok, sampling = tiny_tokenizer(), SamplingConfig(max_new_tokens=6)
     texts, ids = held_out(10)
-    baseline, reference = evaluate_reference(
-        ref, tok, texts, ids, sampling, word_sum, prompt_gold, samples_per_prompt=3
-    )
+    held = HeldOut(tok, texts, ids, sampling, word_sum, prompt_gold, samples_per_prompt=3)
+    baseline, reference = evaluate_reference(ref, held)
     assert (baseline.n, baseline.samples_per_prompt) == (10, 3)
     assert reference.prompts == texts * 3 and len(reference.responses) == 30
     assert any(len(set(reference.responses[i::10])) > 1 for i in range(10))  # independent draws
     assert baseline.proxy_reward_se == pytest.approx(
         prompt_mean_and_se(reference.proxy_scores, 10)[1]
     )
-    policy = evaluate_policy(
-        perturbed(ref), ref, tok, texts, ids, sampling, word_sum, prompt_gold, reference,
-        samples_per_prompt=3,
-    )
+    policy = evaluate_policy(perturbed(ref), ref, held, reference)
     # prompt spread makes each gold mean uncertain, but it cancels in the paired gain
     assert policy.gold_reward == pytest.approx(baseline.gold_reward)
     assert policy.gold_reward_se > 0.5 and policy.gold_gain_se == pytest.approx(0.0)
     table = rounds_table(build_report(baseline, {1: policy}, final=policy))
     assert "| 10 x 3 |" in table and "+0.000 ± 0.000" in table
-    args = (perturbed(ref), ref, tok, texts, ids, sampling, word_sum)
+    one = HeldOut(tok, texts, ids, sampling, word_sum)
     with pytest.raises(ValueError, match="different prompts"):  # drawn for 3 samples, not 1
-        evaluate_policy(*args, ref_responses=reference)
+        evaluate_policy(perturbed(ref), ref, one, ref_responses=reference)
     with pytest.raises(ValueError, match="samples_per_prompt must be >= 1"):
-        evaluate_policy(*args, samples_per_prompt=0)
+        evaluate_policy(perturbed(ref), ref, HeldOut(tok, texts, ids, sampling, word_sum, samples_per_prompt=0))
 
 
 # ---- report markdown (tiny-model evaluations) ---------------------------------------------
 def test_report_markdown_has_a_row_per_round_and_side_by_side_samples(ref) -> None:
     tok, sampling = tiny_tokenizer(), SamplingConfig(max_new_tokens=4)
     texts, ids = held_out(6)
-    baseline, reference = evaluate_reference(ref, tok, texts, ids, sampling, word_sum, count_w39)
+    baseline, reference = evaluate_reference(ref, HeldOut(tok, texts, ids, sampling, word_sum, count_w39))
     final = evaluate_policy(
-        perturbed(ref), ref, tok, texts, ids, sampling, word_sum, count_w39, reference, n_samples=2
+        perturbed(ref), ref, HeldOut(tok, texts, ids, sampling, word_sum, count_w39, n_samples=2), reference
     )
     text = report_markdown(build_report(baseline, {1: ev(0.5, 0.3, 1.0), 2: final}, final=final))
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]

@@ -24,7 +24,7 @@ from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer
 from ppo_core.data.prompts import encode_prompts
 from ppo_core.eval.config import EvaluationConfig
-from ppo_core.eval.evaluate import PolicyEval, evaluate_policy, evaluate_reference
+from ppo_core.eval.evaluate import HeldOut, PolicyEval, evaluate_policy, evaluate_reference
 from ppo_core.eval.markdown import report_markdown
 from ppo_core.eval.plots import plot_overoptimisation
 from ppo_core.eval.report import EvalReport, build_report
@@ -95,18 +95,18 @@ def evaluate(
     ref_model = load_causal_lm(reference.path).to(where).eval()
     rm = RewardModel.from_pretrained(reward.path, device=str(where))
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
-    common = {
-        "sampling": cfg.sampling, "proxy": rm.score, "gold": gold,
-        "n_samples": cfg.n_samples_shown, "samples_per_prompt": cfg.samples_per_prompt,
-    }
+    held = HeldOut(
+        tokenizer, texts, ids, cfg.sampling, rm.score, gold,
+        n_samples=cfg.n_samples_shown, samples_per_prompt=cfg.samples_per_prompt,
+    )
     log.info("evaluating the reference on %d held-out prompts x %d", len(texts), cfg.samples_per_prompt)
-    baseline, ref_sample = evaluate_reference(ref_model, tokenizer, texts, ids, **common)
+    baseline, ref_sample = evaluate_reference(ref_model, held)
     rounds: dict[int, PolicyEval] = {}
     chosen = policies if cfg.per_round else policies[-1:]
     for ckpt in chosen:
         log.info("evaluating round %d", ckpt.round)
         policy = load_causal_lm(ckpt.path).to(where).eval()
-        rounds[ckpt.round] = evaluate_policy(policy, ref_model, tokenizer, texts, ids, ref_responses=ref_sample, **common)
+        rounds[ckpt.round] = evaluate_policy(policy, ref_model, held, ref_responses=ref_sample)
         del policy
     report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)
     report_path = folder / "report.json"

@@ -11,6 +11,7 @@ the same responses; it uses its own seed so that the two samples are independent
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from pydantic import Field
@@ -26,6 +27,7 @@ from ppo_core.lm.sampling import SampledResponses, sample_responses
 
 __all__ = [
     "EvalSample",
+    "HeldOut",
     "PolicyEval",
     "ReferenceSample",
     "Scorer",
@@ -147,24 +149,38 @@ def _sample(
 
 
 # ---- the two entry points -------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out prompts and how every evaluation of them samples and scores responses:
+    the reference and each round are evaluated with the same one."""
+
+    tokenizer: PreTrainedTokenizerBase
+    prompt_texts: Sequence[str]
+    """Raw prompt texts, as the scorers see them."""
+    prompt_ids: Sequence[Sequence[int]]
+    """The same prompts encoded for the policy (chat template applied)."""
+    sampling: SamplingConfig
+    proxy: Scorer
+    """The reward model's score (normalised)."""
+    gold: Scorer | None = None
+    """An independent judge (None: no gold scores, no gold win rate)."""
+    batch_size: int = 16
+    """Prompts sampled at once."""
+    n_samples: int = 4
+    """Side-by-side samples kept for the report."""
+    samples_per_prompt: int = 1
+    """Responses per prompt; means over all, standard errors over the per-prompt means."""
+
+
 def evaluate_reference(
-    ref: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_texts: list[str],
-    prompt_ids: list[list[int]],
-    sampling: SamplingConfig,
-    proxy: Scorer,
-    gold: Scorer | None = None,
-    seed: int = REFERENCE_SEED,
-    batch_size: int = 16,
-    n_samples: int = 4,
-    samples_per_prompt: int = 1,
+    ref: nn.Module, held: HeldOut, seed: int = REFERENCE_SEED
 ) -> tuple[PolicyEval, ReferenceSample]:
     """The baseline: the reference's own scores (KL 0 and win rate 0.5 by definition), and the
     sample every later round is compared against (`samples_per_prompt` responses per prompt,
     laid out as the prompt list repeated that many times)."""
-    prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
-    out, _ = _sample(ref, tokenizer, ids, sampling, seed, batch_size)
+    proxy, gold, samples_per_prompt = held.proxy, held.gold, held.samples_per_prompt
+    prompts, ids = _tiled(held.prompt_texts, held.prompt_ids, samples_per_prompt)
+    out, _ = _sample(ref, held.tokenizer, ids, held.sampling, seed, held.batch_size)
     sample = ReferenceSample(
         prompts=prompts,
         responses=out.texts,
@@ -175,12 +191,12 @@ def evaluate_reference(
     baseline = _policy_eval(
         out,
         prompts,
-        len(prompt_texts),
+        len(held.prompt_texts),
         samples_per_prompt,
         sample.proxy_scores,
         sample.gold_scores,
         None,
-        n_samples,
+        held.n_samples,
         kl_exact=0.0,
         kl_k1=0.0,
         kl_k3=0.0,
@@ -193,32 +209,25 @@ def evaluate_reference(
 def evaluate_policy(
     policy: nn.Module,
     ref: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_texts: list[str],
-    prompt_ids: list[list[int]],
-    sampling: SamplingConfig,
-    proxy: Scorer,
-    gold: Scorer | None = None,
+    held: HeldOut,
     ref_responses: ReferenceSample | Sequence[str] | None = None,
     seed: int = 0,
-    batch_size: int = 16,
-    n_samples: int = 4,
     chunk_size: int = 1024,
-    samples_per_prompt: int = 1,
 ) -> PolicyEval:
     """Sample the policy `samples_per_prompt` times per held-out prompt (fixed seed), then
     measure KL, scores and, given the reference's responses to the same prompts, win rates and
     the paired gold gain. `ref_responses` is best the `ReferenceSample` from
     `evaluate_reference` (scores reused; drawn with the same `samples_per_prompt`); plain
     strings, one per sampled response, are scored here; None skips the comparisons."""
-    prompts, ids = _tiled(prompt_texts, prompt_ids, samples_per_prompt)
-    out, kl = _sample(policy, tokenizer, ids, sampling, seed, batch_size, ref, chunk_size)
+    proxy, gold, samples_per_prompt = held.proxy, held.gold, held.samples_per_prompt
+    prompts, ids = _tiled(held.prompt_texts, held.prompt_ids, samples_per_prompt)
+    out, kl = _sample(policy, held.tokenizer, ids, held.sampling, seed, held.batch_size, ref, chunk_size)
     assert kl is not None
     proxy_scores = score(proxy, prompts, out.texts)
     gold_scores = score(gold, prompts, out.texts) if gold is not None else None
     reference = _as_reference(ref_responses, prompts, proxy, gold)
     win_proxy = win_gold = gain_se = None
-    n = len(prompt_texts)
+    n = len(held.prompt_texts)
     if reference is not None:
         win_proxy = win_rate(proxy_scores, reference.proxy_scores)
         if gold_scores is not None and reference.gold_scores is not None:
@@ -233,7 +242,7 @@ def evaluate_policy(
         proxy_scores,
         gold_scores,
         reference,
-        n_samples,
+        held.n_samples,
         kl_exact=kl.exact.mean().item(),
         kl_k1=kl.k1.mean().item(),
         kl_k3=kl.k3.mean().item(),
