@@ -7,6 +7,7 @@ model or orchestrator is loaded (prefect and mlflow are imported only after vali
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,18 @@ def _run_flow(config_dict: dict[str, Any], force: list[str] | None) -> dict[str,
     return rlhf_pipeline(config=config_dict, force=force or None)
 
 
+def _check_work_dir(work_dir: str) -> None:
+    """A work folder that cannot be written is reported now, in one line, before Prefect (whose
+    home lives in it) starts."""
+    try:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=work_dir):
+            pass
+    except OSError as exc:
+        typer.echo(f"error: orchestration.work_dir: {work_dir} is not a writable folder ({exc.strerror or exc})", err=True)
+        raise typer.Exit(2) from None
+
+
 def _check_tracking(cfg: Any) -> None:
     """An unusable tracking store is reported now, before Prefect starts (the ephemeral API alone
     takes tens of seconds) and long before any training; the flow checks again for deployments."""
@@ -92,6 +105,7 @@ def run(
 ) -> None:
     """Run the pipeline; finished stages come from the cache, a failed run resumes."""
     cfg = _load(config, set_)
+    _check_work_dir(cfg.orchestration.work_dir)
     configure_environment(cfg.orchestration.work_dir)
     from flows.caching import STAGES
 

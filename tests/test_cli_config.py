@@ -275,3 +275,16 @@ def test_run_rejects_an_unknown_forced_stage(invoke, tmp_path: Path) -> None:
     assert line.startswith("error: --force: unknown stage(s) ['nope']")
     assert "train_reward_model" in line  # the message lists the valid stages
     assert not (tmp_path / ".rlhf" / "tiny").exists()  # the flow never started
+
+
+def test_run_reports_an_unusable_work_folder_in_one_line_before_prefect(invoke, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    work = blocker / "work"
+    start = time.perf_counter()
+    result = invoke("run", str(TINY_CONFIG), "--set", f"orchestration.work_dir={work}")
+    assert result.exit_code == 2 and time.perf_counter() - start < 15
+    assert in_process_errors(result) == [
+        f"error: orchestration.work_dir: {work} is not a writable folder (Not a directory)"
+    ]
+    assert not (tmp_path / "prefect-home").exists()  # Prefect never started
