@@ -16,10 +16,9 @@ URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///./ml
 
 def _uri(uri: str | None) -> str:
     configure_environment(os.environ.get("RLHF_WORK_DIR", ".rlhf"))
-    # an unreachable server is reported in seconds, not after MLflow's minutes of retries
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    from flows.tracking import default_tracking_uri
+    from flows.tracking import default_tracking_uri, fail_fast_over_http
+
+    fail_fast_over_http()
 
     return uri or default_tracking_uri(Path.cwd())
 

@@ -51,7 +51,7 @@ def work_folder_lock(work_dir: str | Path) -> Iterator[None]:
         if left.strip():  # a holder that ended normally clears the file: this one was killed
             with contextlib.suppress(ValueError):
                 _previous[path] = json.loads(left)
-        _write_holder(fd, {})
+        _write_holder(fd)
         _held[path] = 1
         try:
             yield
@@ -63,9 +63,9 @@ def work_folder_lock(work_dir: str | Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _write_holder(fd: int, extra: dict) -> None:
+def _write_holder(fd: int) -> None:
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "command": " ".join(sys.argv)[:200], **extra}
+              "command": " ".join(sys.argv)[:200]}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
 

@@ -24,10 +24,14 @@ from prefect.serializers import JSONSerializer
 from flows import refs
 
 RECORD_SERIALIZER = JSONSerializer()
-ALLOWED_CLASSES = frozenset(
-    f"{refs.__name__}.{cls.__name__}"
-    for cls in (refs.ReferenceRef, refs.PreferenceSet, refs.RewardModelRef, refs.PolicyCheckpoint, refs.EvalRef)
-)
+
+
+def _stage_results(cls: type = refs.StageRef) -> set[str]:
+    """Qualified names of every stage result model (StageRef and its subclasses)."""
+    return {f"{cls.__module__}.{cls.__qualname__}"}.union(*(_stage_results(sub) for sub in cls.__subclasses__()))
+
+
+ALLOWED_CLASSES = frozenset(_stage_results())
 log = logging.getLogger("rlhf")
 
 

@@ -56,14 +56,20 @@ def default_tracking_uri(work_dir: str | Path = ".") -> str:
     return f"sqlite:///{(Path(work_dir).resolve() / 'mlflow.db').as_posix()}"
 
 
+def fail_fast_over_http() -> None:
+    """An unreachable tracking server is reported in seconds, not after MLflow's minutes of
+    retries (a value already in the environment wins)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str:
     """Point mlflow at `uri`, check that it answers, and return the experiment id.
 
     A wrong URI fails here, in seconds, with the URI in the message, not after training.
     """
     mlflow.set_tracking_uri(uri)
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    fail_fast_over_http()
     try:
         create_sqlite_store(uri)
         client = MlflowClient(uri)
