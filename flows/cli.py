@@ -97,11 +97,15 @@ def _check_tracking(cfg: Any) -> None:
     connect(uri, cfg.tracking.experiment or cfg.name, Path.cwd() / "mlruns")
 
 
+DEBUG_HELP = "Show tracebacks on the console (they are always in the run's log file)."
+
+
 @app.command()
 def run(
     config: Path,
     set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
     force: list[str] = typer.Option(None, "--force", help="Recompute this stage and everything downstream."),
+    debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP),
 ) -> None:
     """Run the pipeline; finished stages come from the cache, a failed run resumes."""
     cfg = _load(config, set_)
@@ -113,25 +117,42 @@ def run(
     if bad:
         typer.echo(f"error: --force: unknown stage(s) {bad}; stages are {', '.join(STAGES)}", err=True)
         raise typer.Exit(2)
+    _print_result(_run_reporting_errors(cfg, force, debug))
+
+
+def _run_reporting_errors(cfg: Any, force: list[str] | None, debug: bool) -> dict[str, Any]:
+    """Run the flow under the work folder's lock with a run log; a failure ends in one
+    `error:` line and the log's path (exit 1; 2 for a busy folder or an unusable store)."""
     from flows.locks import WorkFolderBusy, work_folder_lock
+    from flows.logs import one_line, open_run_log
     from flows.pipeline import pipeline_work_dir
     from flows.tracking import TrackingError
 
+    work_dir = pipeline_work_dir(cfg)
     try:
         _check_tracking(cfg)
-        with work_folder_lock(pipeline_work_dir(cfg)):  # checked before Prefect starts; the flow re-enters it
-            result = _run_flow(cfg.model_dump(mode="json"), force)
+        with work_folder_lock(work_dir):  # checked before Prefect starts; the flow re-enters it
+            log_path = open_run_log(work_dir / "logs", debug)
+            try:
+                return _run_flow(cfg.model_dump(mode="json"), force)
+            except Exception as exc:
+                if debug:
+                    raise
+                typer.echo(f"error: {one_line(exc)}", err=True)
+                typer.echo(f"details: {log_path} (or run again with --debug)", err=True)
+                raise typer.Exit(1) from None
     except (TrackingError, WorkFolderBusy) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    _print_result(result)
 
 
 @app.command()
-def resume(flow_run_id: str) -> None:
+def resume(flow_run_id: str, debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP)) -> None:
     """Rerun a (failed) flow run's parameters: finished stages are cached, the rest resumes."""
     configure_environment(os.environ.get("RLHF_WORK_DIR", ".rlhf"))
     from prefect.client.orchestration import get_client
+
+    from flows.config import PipelineConfig
 
     with get_client(sync_client=True) as client:
         try:
@@ -141,7 +162,8 @@ def resume(flow_run_id: str) -> None:
             raise typer.Exit(2) from None
     params = flow_run.parameters
     typer.echo(f"resuming flow run {flow_run_id} ({flow_run.name}, state {flow_run.state_name})")
-    _print_result(_run_flow(params["config"], params.get("force")))
+    cfg = PipelineConfig.model_validate(params["config"])
+    _print_result(_run_reporting_errors(cfg, params.get("force"), debug))
 
 
 @app.command()

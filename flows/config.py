@@ -29,7 +29,7 @@ from ppo_core.data.prompts import BUILTIN, builtin_path
 from ppo_core.data.records import is_local_file
 from ppo_core.eval.config import EvaluationConfig
 from ppo_core.lm.distributed import DataParallel
-from ppo_core.lm.models import ModelSourceError, resolve_source
+from ppo_core.lm.models import ModelSourceError, check_hub_model, resolve_source
 from ppo_core.ppo.config import PPOConfig
 from ppo_core.reward.config import RewardModelConfig
 
@@ -223,9 +223,13 @@ def _check_sources(cfg: PipelineConfig) -> list[str]:
         if source is None:
             continue
         try:
-            resolve_source(source)
+            hub_id = resolve_source(source).hub_id
         except ModelSourceError as exc:
             problems.append(f"{field}: {exc}")
+            continue
+        problem = check_hub_model(hub_id) if hub_id else None
+        if problem:
+            problems.append(f"{field}: {problem}")
     return problems + _check_data_files(cfg)
 
 

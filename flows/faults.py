@@ -2,7 +2,11 @@
 
 RLHF_FAIL_AT="ppo_round:R:I" makes PPO round R raise right after its I-th iteration (counted
 within the round) has been checkpointed, as a crash at that moment would. RLHF_KILL_AT=POINT
-SIGKILLs the process at a named point (`kill_point`), as a power cut or OOM killer would.
+SIGKILLs the process at a named point (`kill_point`), as a power cut or OOM killer would:
+tracking_store (mlflow.db built, not yet renamed in), register (a model logged, not yet
+registered), ppo_round_R:I (round R's I-th iteration done, checkpointed when due), evaluate
+(the reference evaluated, no policy yet), after:STAGE (STAGE finished, e.g. after:ppo_round_1
+is between rounds).
 Unset, each costs one environment lookup.
 """
 

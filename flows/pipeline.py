@@ -23,8 +23,10 @@ from flows import keys
 from flows import tracking as trk
 from flows.caching import STAGES
 from flows.config import PipelineConfig
+from flows.faults import kill_point
 from flows.human import collect_human_labels, sample_pairs_for_labelling
 from flows.locks import record_holder, work_folder_lock
+from flows.logs import library_logs_at_info
 from flows.orphans import close_orphans
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
@@ -34,6 +36,7 @@ from flows.stages.preferences import collect_preferences
 from flows.stages.reference import snapshot_reference
 from flows.stages.reward import train_reward_model
 from flows.summary import StageRecord, summary_markdown
+from ppo_core.lm.folders import remove_debris
 
 
 def config_hash(cfg: PipelineConfig) -> str:
@@ -51,6 +54,16 @@ def forced_stages(force: list[str] | None) -> set[str]:
     return set(STAGES[first:])
 
 
+class StageFailed(RuntimeError):
+    """A stage's task failed: the stage's name and its exception in one message."""
+
+    names_itself = True  # flows.logs.one_line prints the message as it is
+
+    def __init__(self, label: str, error: BaseException) -> None:
+        super().__init__(f"{label} failed: {type(error).__name__}: {error}")
+        self.label, self.error = label, error
+
+
 class StageRunner:
     """Calls stage tasks with the pipeline's storage, retries and forced refreshes, and records
     for the summary whether each ran or came from the cache."""
@@ -63,7 +76,7 @@ class StageRunner:
     def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
         start = time.perf_counter()
         state = self._configured(stage_task, refresh=stage in self.forced)(return_state=True, **kwargs)
-        result = state.result()  # raises the stage's exception when it failed
+        result = _result(state, label)
         cached = state.name == "Cached"
         problems = result.problems() if cached and isinstance(result, StageRef) else []
         if problems:
@@ -72,10 +85,11 @@ class StageRunner:
                 label, "; ".join(problems),
             )
             state = self._configured(stage_task, refresh=True)(return_state=True, **kwargs)
-            result, cached = state.result(), False
+            result, cached = _result(state, label), False
         if cached:
             trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
         self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result))
+        kill_point(f"after:{label}")
         return result
 
     def _configured(self, stage_task: Any, refresh: bool) -> Any:
@@ -87,6 +101,15 @@ class StageRunner:
             retry_delay_seconds=exponential_backoff(backoff_factor=orch.retry_delay_seconds) if orch.retries else 0,
             refresh_cache=refresh,
         )
+
+
+def _result(state: Any, label: str) -> Any:
+    """The stage's result, or StageFailed naming the stage when its task failed or crashed."""
+    if state.is_failed() or state.is_crashed():
+        error = state.result(raise_on_failure=False)
+        if isinstance(error, BaseException):
+            raise StageFailed(label, error) from error
+    return state.result()
 
 
 def _headline(result: Any) -> dict[str, Any]:
@@ -124,6 +147,7 @@ def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk
 @flow(name="rlhf_pipeline", log_prints=True)
 def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline for one validated config."""
+    library_logs_at_info()
     cfg = PipelineConfig.model_validate(config)
     work_dir = pipeline_work_dir(cfg)
     with work_folder_lock(work_dir):
@@ -144,6 +168,9 @@ def _run_stages(cfg: PipelineConfig, work_dir: Path, force: list[str] | None) ->
     if killed is not None:
         for line in close_orphans(ctx, killed):
             log.warning("an earlier run in %s was killed: %s", work_dir, line)
+    debris = remove_debris(work_dir / "stages")  # under the lock: no writer is running there
+    if debris:
+        log.warning("removed %d unfinished file(s) of a killed run: %s", len(debris), ", ".join(p.name for p in debris))
     run = StageRunner(cfg, work_dir, ctx, forced_stages(force))
     common = {"work_dir": str(work_dir), "tracking": ctx}
     device = cfg.orchestration.device

@@ -18,7 +18,11 @@ DEFAULTS = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
+    # INFO reaches the Prefect UI; the library's loggers go there too (flows.logs)
+    "PREFECT_LOGGING_LEVEL": "INFO",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf,ppo_core",
+    # library code also logs outside runs (torchrun workers, notebooks): no warning for each
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
     "TOKENIZERS_PARALLELISM": "false",
     "GIT_PYTHON_REFRESH": "quiet",
 }

@@ -22,15 +22,16 @@ from pydantic import BaseModel
 from tqdm.auto import tqdm
 
 from flows.config import PPOStageConfig
-from flows.faults import maybe_fail
+from flows.faults import kill_point, maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
-from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file
+from flows.stages.common import logger, read_prompt_file
 from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.prompts import encode_prompts
 from ppo_core.lm.checkpoint import prune_checkpoints
 from ppo_core.lm.distributed import DataParallel, shutdown
+from ppo_core.lm.folders import replace_folder, temp_folder_for
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.ppo.trainer import PPOTrainer
@@ -105,30 +106,30 @@ def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
     start = target - job.ppo.iterations_per_round
     if trainer.iteration < start:
         raise RuntimeError(f"round {job.round_number}: trainer at iteration {trainer.iteration}, expected {start}")
-    progress = tqdm(
+    with tqdm(
         total=target - start, initial=trainer.iteration - start, desc=f"PPO round {job.round_number}",
         unit="it", disable=not trainer.dp.is_main,
-    )
-    while trainer.iteration < target:
-        metrics = trainer.step()
-        progress.update(1)
-        progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}")
-        local = trainer.iteration - start
-        if local % every == 0 or trainer.iteration == target:
-            trainer.save(job.state_dir)
-        maybe_fail("ppo_round", job.round_number, local)
-    progress.close()
+    ) as progress:  # closed (its line ended) on a failure too, before the error is reported
+        while trainer.iteration < target:
+            metrics = trainer.step()
+            progress.update(1)
+            progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}")
+            local = trainer.iteration - start
+            if local % every == 0 or trainer.iteration == target:
+                trainer.save(job.state_dir)
+            maybe_fail("ppo_round", job.round_number, local)
+            kill_point(f"ppo_round_{job.round_number}:{local}")
 
 
 def _export_policy(trainer: PPOTrainer, folder: Path) -> None:
     """Write the policy as a plain HF folder (LoRA merged: consumers need no peft)."""
-    tmp = fresh_tmp(folder)
+    tmp = temp_folder_for(folder)
     policy = trainer.policy
     if hasattr(policy, "merge_and_unload"):
         policy = policy.merge_and_unload()
     policy.save_pretrained(tmp)
     trainer.tokenizer.save_pretrained(tmp)
-    publish(tmp, folder)
+    replace_folder(tmp, folder)
 
 
 def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOutput:

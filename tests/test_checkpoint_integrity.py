@@ -166,3 +166,51 @@ def test_when_every_checkpoint_is_corrupt_the_error_lists_them_all(tmp_path: Pat
     # pruning keeps `latest` even though it is corrupt, and deletes the other corrupt ones
     prune_checkpoints(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000002", LATEST]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_a_replaced_folder_is_never_missing_and_the_old_one_is_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    from ppo_core.lm import folders
+
+    final = tmp_path / "model"
+    final.mkdir()
+    (final / "old.bin").write_text("old")
+    seen = []
+    real_exchange, real_replace = folders._exchange, os.replace
+
+    def watch_exchange(a: Path, b: Path) -> bool:
+        done = real_exchange(a, b) if exchange else False
+        seen.append(final.is_dir())
+        return done
+
+    def watch_replace(src, dst) -> None:
+        real_replace(src, dst)
+        seen.append(final.is_dir())
+
+    monkeypatch.setattr(folders, "_exchange", watch_exchange)
+    monkeypatch.setattr(folders.os, "replace", watch_replace)
+    new = folders.temp_folder_for(final)
+    assert new.parent == tmp_path and new.name.startswith(".model.tmp-")
+    (new / "new.bin").write_text("new")
+    folders.replace_folder(new, final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the old contents and the temp name are gone
+    assert [p.name for p in final.iterdir()] == ["new.bin"]
+    # with the exchange, `model` exists after every step; with two renames there is one
+    # moment without it (the old folder is under .model.old-PID then: remove_debris's case)
+    assert seen == ([True] if exchange else [True, False, True])
+
+
+def test_debris_of_killed_writers_is_removed_and_nothing_else(tmp_path: Path) -> None:
+    from ppo_core.lm.folders import remove_debris
+
+    keep = [tmp_path / "a" / "model" / "w.bin", tmp_path / "a" / "state" / "latest", tmp_path / ".run.lock"]
+    debris = [tmp_path / "a" / ".model.tmp-123" / "w.bin", tmp_path / "a" / "state" / ".iteration-2.old-9" / "x",
+              tmp_path / "a" / "state" / ".latest.tmp-abc"]
+    for path in [*keep, *debris]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    removed = remove_debris(tmp_path)
+    assert sorted(p.name for p in removed) == [".iteration-2.old-9", ".latest.tmp-abc", ".model.tmp-123"]
+    assert all(p.exists() for p in keep) and not any(p.parent.exists() and p.exists() for p in debris)

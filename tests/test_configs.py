@@ -18,9 +18,20 @@ def test_there_are_configs_to_check() -> None:
     assert {p.name for p in CONFIGS} >= {"tiny.yaml", "default.yaml", "gpu-hh.yaml"}
 
 
+def _cache_model(cache: Path, hub_id: str) -> None:
+    """What `hf download` leaves in the Hugging Face cache, config only."""
+    repo = cache / f"models--{hub_id.replace('/', '--')}"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_validates(path: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("RLHF_TINY_DIR", str(tmp_path / "tiny"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    _cache_model(tmp_path / "hub", "HuggingFaceTB/SmolLM2-360M-Instruct")  # configs/gpu-hh.yaml's
     cfg = load_config(path)
     assert cfg.ppo.effective_algo.total_iterations == cfg.ppo.rounds * cfg.ppo.iterations_per_round
 
@@ -75,3 +86,56 @@ def test_out_of_memory_retry_picks_a_micro_batch_that_divides_the_minibatch(mini
     from flows.launchers import smaller_micro_batch
 
     assert smaller_micro_batch(mini, current) == expected
+
+
+def test_a_hub_model_that_cannot_be_loaded_is_a_config_error_naming_the_field(tmp_path: Path, monkeypatch) -> None:
+    """Offline, a hub id must be in the local cache; online, the hub must know it. Asked of a
+    local HTTP server standing in for the hub (HF_ENDPOINT), as huggingface_hub asks the real one."""
+    import http.server
+    import threading
+
+    from flows.config import ConfigError
+
+    gpu = Path(__file__).resolve().parents[1] / "configs" / "gpu-hh.yaml"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as offline:
+        load_config(gpu)
+    missing = ("HuggingFaceTB/SmolLM2-360M-Instruct: not in the local Hugging Face cache and HF_HUB_OFFLINE=1; "
+               "download it where there is network (hf download HuggingFaceTB/SmolLM2-360M-Instruct) or name a local folder")
+    assert offline.value.problems == [f"model.source: {missing}", f"reward_model.backbone: {missing}"]
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            known = self.path.startswith("/api/models/HuggingFaceTB/SmolLM2-360M-Instruct")
+            body = b'{"id": "HuggingFaceTB/SmolLM2-360M-Instruct", "sha": "abc123"}' if known else b"{}"
+            self.send_response(200 if known else 404)
+            if not known:
+                self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        import huggingface_hub.constants
+
+        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # read once, at its import
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert load_config(gpu).model.source == "HuggingFaceTB/SmolLM2-360M-Instruct"  # the hub knows it
+        with pytest.raises(ConfigError) as typo:
+            load_config(gpu, ["model.source=HuggingFaceTB/SmolLM2-306M-Instruct"])
+        assert typo.value.problems == [
+            "model.source: HuggingFaceTB/SmolLM2-306M-Instruct: no such model on the hub (a typo? a private model needs HF_TOKEN)"
+        ]
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: unknown, the load will tell
+        assert load_config(gpu).model.source == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    finally:
+        server.shutdown()

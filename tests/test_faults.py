@@ -117,18 +117,26 @@ def _python(code: str, cwd: Path, **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _rlhf_run(cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """`rlhf run configs/tiny.yaml` as a job of its own (a process group, as from a shell)."""
+def _rlhf_run(cwd: Path, timeout: float, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`rlhf run configs/tiny.yaml ARGS` as a job of its own (a process group, as from a shell)."""
     full_env = {**os.environ, **QUIET_ENV, **env}
     full_env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG)], cwd=cwd, env=full_env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(TINY_CONFIG), *args], cwd=cwd,
+                            env=full_env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _shared_api() -> dict[str, str]:
+    """The session's Prefect server for a CLI subprocess (it then starts no temporary one)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": PREFECT_API_URL.value()}
 
 
 def test_the_tracking_store_is_created_whole_even_when_killed_or_raced(tmp_path: Path) -> None:
@@ -171,26 +179,75 @@ def test_a_second_run_in_the_same_work_folder_is_refused_naming_the_holder(tmp_p
         assert json.loads((work / ".run.lock").read_text())["pid"] == os.getpid()
 
 
-def test_a_kill_during_registration_leaves_one_tagged_version_per_model(pipeline_env: Path, tmp_path: Path) -> None:
-    """SIGKILL of `rlhf run` (its process group) between logging the reference and registering
-    it, then the same command again: it finishes, every registered model has exactly one version
-    per content hash, each carrying its hash (before, an untagged version made the rerun register
-    a twin), and nothing of the killed run is left Running in Prefect or MLflow."""
+KILL_POINTS = (
+    "register",  # the reference logged to MLflow, not yet registered
+    "ppo_round_1:1",  # inside round 1, its first iteration done
+    "after:ppo_round_1",  # between the rounds
+    "evaluate",  # inside evaluation: the reference evaluated, no policy yet
+)
+
+
+def test_runs_killed_at_each_point_then_rerun_end_exactly_as_an_uninterrupted_run(
+    pipeline_env: Path, first_run: Run, tmp_path: Path
+) -> None:
+    """SIGKILL of `rlhf run` (its process group) at each named point in turn, each time running
+    the same command again, which resumes and is killed at the next point; the last rerun
+    finishes with the uninterrupted run's policy (same sha256), one version per model content
+    with its hash tag (a kill between logging and registering used to leave an untagged version
+    and a twin), nothing of the killed runs left Running in Prefect or MLflow, and the
+    unfinished files of a killed writer removed."""
     from mlflow import MlflowClient
 
-    killed = _rlhf_run(tmp_path, timeout=300, RLHF_KILL_AT="register")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    rerun = _rlhf_run(tmp_path, timeout=600)
+    stderrs = []
+    for point in KILL_POINTS:
+        killed = _rlhf_run(tmp_path, 300, RLHF_KILL_AT=point, **_shared_api())
+        assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-2000:])
+        stderrs.append(killed.stderr)
+    debris = tmp_path / ".rlhf" / "tiny" / "stages" / "ppo_round" / ".model.tmp-12345"  # as a killed export leaves it
+    debris.mkdir(parents=True)
+    rerun = _rlhf_run(tmp_path, 600, **_shared_api())
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"sha256 {first_run.result['policy_sha256']}" in rerun.stdout
+    assert not debris.exists() and "removed 1 unfinished file(s) of a killed run: .model.tmp-12345" in rerun.stderr
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     versions = {rm.name: client.search_model_versions(f"name = '{rm.name}'") for rm in client.search_registered_models()}
     assert set(versions) == {"tiny-reference", "tiny-reward-model", "tiny-policy"}
     for name, found in versions.items():
         hashes = [mv.tags.get("rlhf.sha256") for mv in found]
         assert None not in hashes and len(hashes) == len(set(hashes)), (name, hashes)
-    assert len(versions["tiny-reference"]) == 1
-    # the killed run's leftovers were closed by the rerun: its Prefect flow run and its MLflow
-    # stage run (snapshot_reference, killed mid-registration) no longer claim to be running
-    assert "marked Crashed" in rerun.stderr and "MLflow run(s) marked FAILED (snapshot_reference)" in rerun.stderr
+    assert {name: len(found) for name, found in versions.items()} == {"tiny-reference": 1, "tiny-reward-model": 1, "tiny-policy": 1}
+    # each killed run's leftovers were closed by the next run: its Prefect flow run, and the
+    # MLflow run of the stage it was killed in, no longer claim to be running
+    after_kill = [*stderrs[1:], rerun.stderr]
+    assert all("marked Crashed" in err for err in after_kill)
+    assert "MLflow run(s) marked FAILED (snapshot_reference)" in after_kill[0]
+    assert "MLflow run(s) marked FAILED (ppo_round_1)" in after_kill[1]
     experiments = [e.experiment_id for e in client.search_experiments()]
     assert client.search_runs(experiments, filter_string="attributes.status = 'RUNNING'") == []
+
+
+def test_a_failed_stage_is_one_error_line_naming_the_log_and_debug_shows_the_traceback(
+    pipeline_env: Path, tmp_path: Path
+) -> None:
+    failed = _rlhf_run(tmp_path, 300, RLHF_FAIL_AT="ppo_round:1:1", **_shared_api())
+    assert failed.returncode == 1
+    lines = failed.stderr.splitlines()
+    errors = [line for line in lines if line.startswith(("error:", "details:"))]
+    message = "RLHF_FAIL_AT=ppo_round:1:1: injected failure in ppo_round round 1 after iteration 1"
+    assert errors[0] == f"error: ppo_round_1 failed: InjectedFailure: {message}", errors
+    log = Path(errors[1].removeprefix("details: ").removesuffix(" (or run again with --debug)"))
+    assert errors[1:] == [f"details: {log} (or run again with --debug)"]
+    assert "Traceback" not in failed.stderr and sum(message in line for line in lines) == 1
+    text = log.read_text()
+    assert "Traceback" in text and "raise InjectedFailure" in text
+    assert "task run 'collect_preferences" in text and "preference set: 24 pairs" in text  # INFO records, named
+    # the Prefect UI has the stages' INFO records and the library's (ppo_core's loggers)
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import LogSort
+
+    with get_client(sync_client=True) as client:
+        shown = [(r.name, r.message) for r in client.read_logs(limit=200, sort=LogSort.TIMESTAMP_DESC)]
+    assert any(name == "ppo_core.lm.checkpoint" and str(tmp_path) in msg for name, msg in shown), shown[:20]
+    assert any(name == "prefect.task_runs" and msg.startswith("preference set: 24 pairs") for name, msg in shown)
+    debug = _rlhf_run(tmp_path, 300, "--debug", RLHF_FAIL_AT="ppo_round:2:1", **_shared_api())
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "raise InjectedFailure" in debug.stderr

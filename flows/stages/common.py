@@ -1,11 +1,9 @@
-"""Small helpers shared by the stage tasks: output folders, logging, atomic publishing."""
+"""Small helpers shared by the stage tasks: output folders, logging, prompt files."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 from prefect import get_run_logger
@@ -24,22 +22,6 @@ def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:
     folder = Path(work_dir).resolve() / "stages" / stage / key
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def publish(tmp: Path, final: Path) -> Path:
-    """Move a finished output into place in one rename, so readers never see half of it."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
-
-
-def fresh_tmp(final: Path) -> Path:
-    tmp = final.with_name(f".{final.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
 
 
 def write_prompt_file(path: Path, prompts: list[str]) -> Path:

@@ -14,6 +14,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from flows.caching import key_from_parameters, sha256_file
+from flows.faults import kill_point
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import register_policy
 from flows.registry import set_alias
@@ -101,6 +102,7 @@ def evaluate(
     )
     log.info("evaluating the reference on %d held-out prompts x %d", len(texts), cfg.samples_per_prompt)
     baseline, ref_sample = evaluate_reference(ref_model, held)
+    kill_point("evaluate")
     rounds: dict[int, PolicyEval] = {}
     chosen = policies if cfg.per_round else policies[-1:]
     for ckpt in chosen:

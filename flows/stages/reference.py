@@ -11,8 +11,9 @@ from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import ReferenceRef
 from flows.registration import lineage_tags
 from flows.registry import register_model
-from flows.stages.common import fresh_tmp, logger, publish, stage_dir
+from flows.stages.common import logger, stage_dir
 from flows.tracking import TrackingContext, stage_run
+from ppo_core.lm.folders import replace_folder, temp_folder_for
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
 
@@ -32,14 +33,14 @@ def snapshot_reference(
     start = time.perf_counter()
     log = logger()
     final = stage_dir(work_dir, "snapshot_reference", key) / "model"
-    tmp = fresh_tmp(final)
+    tmp = temp_folder_for(final)
     log.info("snapshotting reference from %s", source)
     model = load_causal_lm(source, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(tokenizer_source or source, trust_remote_code=trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    publish(tmp, final)
+    replace_folder(tmp, final)
     sha = sha256_tree(final)
     ref = ReferenceRef(path=str(final), sha256=sha, seconds=0.0)
     with stage_run(tracking, "snapshot_reference", {"rlhf.sha256": sha}) as run_id:

@@ -11,12 +11,13 @@ from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import lineage_tags
 from flows.registry import register_model
-from flows.stages.common import fresh_tmp, logger, publish, read_prompt_file, stage_dir
+from flows.stages.common import logger, read_prompt_file, stage_dir
 from flows.tracking import MetricLogger, TrackingContext, stage_run
 from ppo_core.config import SamplingConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer, sample_response_groups
 from ppo_core.data.preferences import read_preference_set
+from ppo_core.lm.folders import replace_folder, temp_folder_for
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.training import fit_normalisation, split_reward_rows
@@ -56,9 +57,9 @@ def train_reward_model(
         if cfg.normalise:
             texts = read_prompt_file(prefs.train_prompts_path)[:NORMALISATION_PROMPTS]
             fit_normalisation(rm, *_reference_samples(reference, texts, prompts, cfg.seed))
-        tmp = fresh_tmp(final)
+        tmp = temp_folder_for(final)
         rm.save_pretrained(tmp)
-        publish(tmp, final)
+        replace_folder(tmp, final)
         sha = sha256_tree(final)
         result = RewardModelRef(
             path=str(final), sha256=sha, eval_accuracy=report.eval_accuracy, gold_agreement=report.gold_agreement,

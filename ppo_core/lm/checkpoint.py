@@ -24,7 +24,8 @@ This module knows files only; what a state holds is its owner's business (PPOTra
         KEY.json           an entry that JSON round-trips exactly (numbers, strings, lists, dicts)
         KEY.pt             anything else (optimizer states, RNG states, tuples): torch.save,
                            read back with weights_only=True, so loading executes no code
-      .NAME.tmp-*          a checkpoint being written (deleted on failure, renamed on success)
+      .NAME.tmp-*          a checkpoint being written (deleted on failure, renamed on success;
+                           one a killed writer left is removed by folders.remove_debris)
 
 A PPOTrainer checkpoint, for instance: policy.safetensors, value.safetensors (the critic or the
 shared value head), optim.pt (optimizers, LR schedulers), rng.pt, trainer.json (iteration,
@@ -40,6 +41,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +50,8 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ppo_core.lm.folders import fsync_path, replace_folder, temp_folder_for
 
 LATEST = "latest"
 MANIFEST = "MANIFEST.json"
@@ -82,6 +86,7 @@ def write_checkpoint(root: str | Path, name: str, state: Mapping[str, Any], keep
     bad = [key for key in state if not (isinstance(key, str) and _KEY.fullmatch(key)) or key == reserved]
     if bad:
         raise ValueError(f"checkpoint entry names must match {_KEY.pattern} and not be {reserved}: {bad}")
+    start = time.perf_counter()
     with atomic_checkpoint(root, name, keep_last) as tmp:
         for key, value in state.items():
             if _is_tensor_map(value):
@@ -90,7 +95,9 @@ def write_checkpoint(root: str | Path, name: str, state: Mapping[str, Any], keep
                 save_json(tmp / f"{key}.json", value)
             else:
                 save_state(tmp / f"{key}.pt", value)
-    return Path(root) / name
+    final = Path(root) / name
+    log.info("checkpoint %s: %.1f MB in %.1f s", final, _folder_bytes(final) / 1e6, time.perf_counter() - start)
+    return final
 
 
 def read_checkpoint(folder_or_root: str | Path, device: torch.device | str = "cpu") -> Checkpoint | None:
@@ -272,20 +279,12 @@ def atomic_checkpoint(root: str | Path, name: str, keep_last: int | None = 2) ->
     root/name, and root/latest names it."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    tmp = temp_folder_for(root / name)
     try:
         yield tmp
         _seal(tmp)
-        final = root / name
-        trash = None
-        if final.exists():  # re-saving the same name: move the old one aside, delete it last
-            trash = root / f".{name}.old-{os.getpid()}"
-            os.replace(final, trash)
-        os.replace(tmp, final)
-        _fsync(root)
+        replace_folder(tmp, root / name)  # re-saving a name swaps the old folder out whole
         _write_pointer(root, name)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
     except Exception as err:
         written = _folder_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -308,19 +307,10 @@ def _seal(folder: Path) -> None:
     sizes = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
     save_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": sizes})
     for path in [*files, folder / MANIFEST]:
-        _fsync(path)
+        fsync_path(path)
     for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-        _fsync(sub)
-    _fsync(folder)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's contents, or a folder's entries (the names of what it holds), to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(sub)
+    fsync_path(folder)
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -341,13 +331,13 @@ def _write_failure(root: Path, name: str, written: int, err: Exception) -> str:
 
 
 def _write_pointer(root: Path, name: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".latest.", dir=root)
+    fd, tmp = tempfile.mkstemp(prefix=".latest.tmp-", dir=root)
     with os.fdopen(fd, "w") as handle:
         handle.write(name)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, root / LATEST)
-    _fsync(root)
+    fsync_path(root)
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,6 +96,33 @@ def resolve_source(source: str) -> ModelSource:
     if HUB_ID.match(source) and not source.startswith((".", "/", "~")):
         return ModelSource(None, hub_id=source)
     raise ModelSourceError(f"{source}: not a local model folder, .gguf file, pkg:NAME or hub id")
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_hub_model(hub_id: str, timeout: float = 10.0) -> str | None:
+    """Why the hub model `hub_id` cannot be loaded, found without downloading weights, or None.
+    A model in the local Hugging Face cache is fine; offline (HF_HUB_OFFLINE=1) it must be
+    there; online the hub is asked, and when it cannot be reached the load will try anyway."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json", cache_dir=os.environ.get("HF_HUB_CACHE")), str):
+        return None
+    if _offline():
+        return (f"{hub_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE=1; download it where "
+                f"there is network (hf download {hub_id}) or name a local folder")
+    try:
+        HfApi(endpoint=os.environ.get("HF_ENDPOINT")).model_info(hub_id, timeout=timeout)
+    except GatedRepoError:
+        return f"{hub_id}: a gated model; accept its terms on the hub and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        return f"{hub_id}: no such model on the hub (a typo? a private model needs HF_TOKEN)"
+    except Exception:  # unreachable hub, timeout: nothing known, the load will tell
+        return None
+    return None
 
 
 def _pretrained_args(src: ModelSource, trust_remote_code: bool) -> tuple[str, dict]:
