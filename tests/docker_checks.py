@@ -7,6 +7,7 @@ resolve them.
 from __future__ import annotations
 
 import ast
+import configparser
 import re
 import shlex
 from pathlib import Path
@@ -27,11 +28,32 @@ ONE_SHOT = {"init"}
 
 # `$$` (a literal dollar), ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $VAR.
 TOKEN = re.compile(r"\$\$|\$\{([A-Za-z_]\w*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_]\w*)")
+# A variable the shell inside a container expands ($$VAR in compose text): its value would be
+# on the command line of whatever the shell runs.
+SHELL_VARIABLE = re.compile(r"\$\$\{?([A-Za-z_]\w*)")
+SECRET = re.compile(r"PASSWORD|SECRET|TOKEN|AUTH_STRING")
+"""Names of variables (docker/.env's and the containers') that hold a secret."""
+# Where a container's command line comes from: what `ps` shows.
+COMMAND_FIELDS = ("command", "entrypoint", "healthcheck")
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET.search(name))
 
 
 def variables(text: str) -> list[tuple[str, str, str]]:
-    """(name, operator, default) of every substitution in compose text; "" for $VAR."""
+    """(name, operator, default or error message) of every substitution in compose text; ""
+    for $VAR."""
     return [(m[1] or m[4], m[2] or "", m[3] or "") for m in TOKEN.finditer(text) if m[0] != "$$"]
+
+
+def secrets_named(text: str) -> list[str]:
+    """The secret variables compose text refers to, for compose or for a shell in a container."""
+    return [n for n in [v[0] for v in variables(text)] + SHELL_VARIABLE.findall(text) if is_secret(n)]
+
+
+class MissingVariable(KeyError):
+    """What compose refuses to start with: a `${VAR:?message}` without a value."""
 
 
 class Reset:
@@ -46,24 +68,34 @@ ComposeLoader.add_constructor("!reset", lambda loader, node: Reset())
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose's variable substitution: the value from `env`, else the `:-` default."""
+    """Compose's variable substitution: the value from `env`; else the `-` default, or the
+    `?` error (with `:`, an empty value counts as unset)."""
 
     def sub(match: re.Match[str]) -> str:
         if match[0] == "$$":
             return "$"
-        name, op, default = match[1] or match[4], match[2], match[3]
-        if name in env and (env[name] or op != ":-"):
-            return env[name]
-        if op in (":-", "-"):
+        name, op, default = match[1] or match[4], match[2] or "", match[3]
+        value = env.get(name)
+        if value or (value is not None and not op.startswith(":")):
+            return value
+        if op.endswith("-"):
             return default
+        if op.endswith("?"):
+            raise MissingVariable(f"required variable {name} is missing a value: {default}")
         raise KeyError(f"${{{name}}} has no value and no default")
 
     return TOKEN.sub(sub, text)
 
 
 def load_compose(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The compose file as `docker compose config` would see it with `env` (default: none set)."""
-    return yaml.load(interpolate(path.read_text(), env or {}), Loader=ComposeLoader)
+    """The compose file as `docker compose config` would see it with `env` (default: the
+    documented settings with a stand-in for every secret, see `filled_env`)."""
+    return yaml.load(interpolate(path.read_text(), filled_env() if env is None else env), Loader=ComposeLoader)
+
+
+def raw_compose(path: Path = COMPOSE) -> dict[str, Any]:
+    """The compose file before variable substitution."""
+    return yaml.load(path.read_text(), Loader=ComposeLoader)
 
 
 def env_example() -> dict[str, str]:
@@ -74,6 +106,27 @@ def env_example() -> dict[str, str]:
             key, _, value = line.partition("=")
             out[key.strip()] = value.strip()
     return out
+
+
+def filled_env(**values: str) -> dict[str, str]:
+    """A docker/.env made from the example as its comments say: every secret set (unless given,
+    to a distinct stand-in long enough for MLflow's 12-character rule), the settings as
+    documented."""
+    env = env_example()
+    for name, value in env.items():
+        if is_secret(name) and not value:
+            env[name] = f"{name.lower().replace('_', '-')}-0123456789abcdef"
+    env.update(values)
+    return env
+
+
+def bind_mount(service: dict[str, Any], target: str) -> Path:
+    """The host file or folder (under docker/) a service mounts at `target`."""
+    for volume in service.get("volumes", []):
+        source, mounted = volume.split(":")[:2]
+        if mounted == target:
+            return (DOCKER / source).resolve()
+    raise AssertionError(f"nothing is mounted at {target}: {service.get('volumes')}")
 
 
 def command_lines(service: dict[str, Any]) -> list[list[str]]:
@@ -93,6 +146,13 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     return {k: str(v) for k, v in env.items()}
+
+
+def mlflow_auth_config(mlflow: dict[str, Any]) -> dict[str, str]:
+    """The [mlflow] section of the auth config file the MLflow service is given."""
+    parser = configparser.ConfigParser()
+    parser.read_string(bind_mount(mlflow, environment(mlflow)["MLFLOW_AUTH_CONFIG_PATH"]).read_text())
+    return dict(parser["mlflow"])
 
 
 def option(argv: list[str], name: str) -> str:

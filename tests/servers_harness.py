@@ -1,12 +1,14 @@
 """The server start/stop helpers of tests/test_servers.py: a throwaway PostgreSQL cluster, the
 Prefect and MLflow servers (and the compose worker) as process groups on loopback, and how a
-client reaches them: the `rlhf` CLI, the Prefect REST API and the Postgres tables behind it.
+client reaches them, logged in as the compose worker is: the `rlhf` CLI, the Prefect REST API
+and the Postgres tables behind it.
 
 Skipping (or, with RLHF_REQUIRE_SERVERS=1, failing) when a server cannot run is `unavailable`.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import pwd
 import shutil
@@ -30,6 +32,8 @@ REQUIRED = os.environ.get("RLHF_REQUIRE_SERVERS") == "1"
 BIN = Path(sys.executable).parent
 PG_USER, PG_PASSWORD = "rlhf", "rlhf-test-pw"
 START_TIMEOUT = 300.0  # first start migrates both databases: a minute or two on a loaded 2-core box
+LOGIN_KEYS = ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+"""What a client of the compose stack logs in with (the worker's environment holds them)."""
 
 
 def unavailable(reason: str) -> None:
@@ -134,11 +138,14 @@ class Stack:
     prefect_url: str = ""
     mlflow_url: str = ""
     artifacts: Path = field(default_factory=Path)
+    logins: dict[str, str] = field(default_factory=dict)
+    """LOGIN_KEYS: PREFECT_API_AUTH_STRING (user:password), MLFLOW_TRACKING_USERNAME/PASSWORD."""
     processes: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
 
     def client_env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
         env.update(QUIET_ENV)
+        env.update(self.logins)
         env.update(
             PREFECT_API_URL=self.prefect_url,
             MLFLOW_TRACKING_URI=self.mlflow_url,
@@ -198,8 +205,20 @@ def run_cli(stack: Stack, *args: str, cwd: Path, timeout: float = 900) -> subpro
     return result
 
 
+def basic_auth(login: str | None) -> dict[str, str]:
+    """The header of HTTP basic auth for `user:password` (none for None)."""
+    return {"Authorization": "Basic " + base64.b64encode(login.encode()).decode()} if login else {}
+
+
+def status_of(method: str, url: str, login: str | None) -> int:
+    """The HTTP status a request (POSTs: an empty JSON body) gets with this login or none."""
+    body = {"json": {}} if method == "POST" else {}
+    return httpx.request(method, url, headers=basic_auth(login), timeout=30, **body).status_code
+
+
 def prefect_api(stack: Stack, method: str, path: str, **kwargs: Any) -> Any:
-    response = httpx.request(method, f"{stack.prefect_url}{path}", timeout=30, **kwargs)
+    headers = basic_auth(stack.logins["PREFECT_API_AUTH_STRING"])
+    response = httpx.request(method, f"{stack.prefect_url}{path}", headers=headers, timeout=30, **kwargs)
     response.raise_for_status()
     return response.json()
 

@@ -2,13 +2,16 @@
 
 PostgreSQL from Debian's `postgresql` package (initdb + pg_ctl in a temporary folder, as the
 `postgres` user when we are root: postgres refuses to run as root), its databases made by
-docker/initdb/create-databases.sh, then the compose file's own commands on loopback: `prefect
-server start` against Postgres, `mlflow server` with the Postgres backend and `--serve-artifacts`
-(a local folder standing in for the S3 bucket), init's `prefect work-pool create` and
-`prefect concurrency-limit create`. The tiny pipeline runs as `rlhf run` in a subprocess that
-knows the servers only by PREFECT_API_URL and MLFLOW_TRACKING_URI; then `rlhf deploy` puts it
-in the `gpu` pool, the compose worker command runs it, and every check reads the servers' APIs
-(and the Postgres tables behind them). Servers are stopped in the fixture's finaliser.
+docker/initdb/create-databases.sh, then the compose file's own commands and environments on
+loopback, with a docker/.env made from the example (`filled_env`): `prefect server start`
+against Postgres with basic auth, `mlflow server --app-name basic-auth` with the Postgres
+backend, its users in Postgres too (docker/mlflow-auth.ini) and `--serve-artifacts` (a local
+folder standing in for the S3 bucket), init's `prefect work-pool create` and `prefect
+concurrency-limit create`. The tiny pipeline runs as `rlhf run` in a subprocess that knows the
+servers only by PREFECT_API_URL and MLFLOW_TRACKING_URI and logs in as the compose worker does;
+then `rlhf deploy` puts it in the `gpu` pool, the compose worker command runs it, and every
+check reads the servers' APIs (and the Postgres tables behind them). Clients without the
+login are refused. Servers are stopped in the fixture's finaliser.
 
 Skipped when PostgreSQL's binaries are missing, unless RLHF_REQUIRE_SERVERS=1 (CI), where a
 missing server is a failure. Deselect with `-m "not servers"`.
@@ -34,10 +37,19 @@ import pytest
 
 pytest.register_assert_rewrite("tests.docker_checks", "tests.servers_harness")
 
-from tests.docker_checks import DOCKER, command_lines, environment, load_compose, option  # noqa: E402
+from tests.docker_checks import (  # noqa: E402
+    DOCKER,
+    command_lines,
+    environment,
+    filled_env,
+    load_compose,
+    mlflow_auth_config,
+    option,
+)
 from tests.pipeline_fixtures import TINY_CONFIG  # noqa: E402
 from tests.servers_harness import (  # noqa: E402
     BIN,
+    LOGIN_KEYS,
     PG_PASSWORD,
     PG_USER,
     Postgres,
@@ -49,6 +61,7 @@ from tests.servers_harness import (  # noqa: E402
     replace_option,
     run_cli,
     stage_of,
+    status_of,
     tail,
     task_runs,
     unavailable,
@@ -82,8 +95,13 @@ def stack() -> Iterator[Stack]:
         import psycopg  # noqa: F401  (the MLflow server's Postgres driver: the `servers` extra)
     except ImportError:
         unavailable("psycopg is not installed: pip install -e '.[servers]'")
+    try:
+        import flask_wtf  # noqa: F401  (what `mlflow server --app-name basic-auth` imports)
+    except ImportError:
+        unavailable("Flask-WTF is not installed (MLflow's basic-auth app): pip install 'mlflow[auth]'")
 
-    compose = load_compose()
+    # docker/.env as the example says to make it; the database login is this cluster's
+    compose = load_compose(env=filled_env(POSTGRES_USER=PG_USER, POSTGRES_PASSWORD=PG_PASSWORD))
     with ExitStack() as cleanup:
         # not under pytest's tmp_path: its parents are private to root and postgres must enter
         root = Path(tempfile.mkdtemp(prefix="rlhf-servers-"))
@@ -107,35 +125,45 @@ def stack() -> Iterator[Stack]:
         )
         assert made.returncode == 0, made.stdout + made.stderr
 
-        stack = Stack(root, pg, compose, artifacts=root / "artifacts")
-        cleanup.callback(stack.stop_all)
         services = compose["services"]
+        logins = {k: v for k, v in environment(services["worker"]).items() if k in LOGIN_KEYS}
+        assert set(logins) == set(LOGIN_KEYS), logins
+        stack = Stack(root, pg, compose, artifacts=root / "artifacts", logins=logins)
+        cleanup.callback(stack.stop_all)
 
-        def database_url(url: str) -> str:
-            """compose's URL (postgres:5432, .env credentials) -> this cluster on loopback"""
-            return urlunsplit(urlsplit(url)._replace(netloc=f"{PG_USER}:{PG_PASSWORD}@127.0.0.1:{pg.port}"))
+        def on_loopback(url: str) -> str:
+            """compose's database URL (postgres:5432) -> this cluster, the same login if any"""
+            login = urlsplit(url).netloc.rpartition("@")[0]
+            return urlunsplit(urlsplit(url)._replace(netloc=f"{login}@127.0.0.1:{pg.port}".lstrip("@")))
 
+        # The servers get their compose environment (logins, secrets) and no client login.
+        server_env = {k: v for k, v in stack.client_env().items() if k not in (*LOGIN_KEYS, "PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
         prefect_port, mlflow_port = free_port(), free_port()
         prefect_argv = command_lines(services["prefect-server"])[0]
         prefect_argv = replace_option(replace_option(prefect_argv, "--host", "127.0.0.1"), "--port", str(prefect_port))
-        server_env = {k: v for k, v in stack.client_env().items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+        prefect_env = environment(services["prefect-server"])
         stack.spawn("prefect-server", prefect_argv, {
             **server_env,
+            **prefect_env,
             "PREFECT_HOME": str(root / "server-prefect-home"),
             "PREFECT_UI_STATIC_DIRECTORY": str(root / "server-prefect-home" / "ui"),
-            "PREFECT_API_DATABASE_CONNECTION_URL": database_url(
-                environment(services["prefect-server"])["PREFECT_API_DATABASE_CONNECTION_URL"]
-            ),
+            "PREFECT_API_DATABASE_CONNECTION_URL": on_loopback(prefect_env["PREFECT_API_DATABASE_CONNECTION_URL"]),
         })
 
+        # MLflow's auth config as compose mounts it, its users' database on this cluster
+        auth = mlflow_auth_config(services["mlflow"])
+        auth["database_uri"] = on_loopback(auth["database_uri"])
+        auth_config = root / "mlflow-auth.ini"
+        auth_config.write_text("[mlflow]\n" + "".join(f"{k} = {v}\n" for k, v in auth.items()))
         mlflow_argv = command_lines(services["mlflow"])[0]
-        backend = database_url(option(mlflow_argv, "--backend-store-uri"))
         for name, value in (
             ("--host", "127.0.0.1"), ("--port", str(mlflow_port)), ("--workers", "1"),
-            ("--backend-store-uri", backend), ("--artifacts-destination", str(stack.artifacts)),
+            ("--backend-store-uri", on_loopback(option(mlflow_argv, "--backend-store-uri"))),
+            ("--artifacts-destination", str(stack.artifacts)),
         ):
             mlflow_argv = replace_option(mlflow_argv, name, value)
-        stack.spawn("mlflow", mlflow_argv, server_env)
+        mlflow_env = {**environment(services["mlflow"]), "MLFLOW_AUTH_CONFIG_PATH": str(auth_config)}
+        stack.spawn("mlflow", mlflow_argv, {**server_env, **mlflow_env})
 
         stack.prefect_url = f"http://127.0.0.1:{prefect_port}/api"
         stack.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
@@ -150,6 +178,16 @@ def stack() -> Iterator[Stack]:
                 )
                 assert done.returncode == 0, f"{argv}: {done.stdout}{done.stderr}"
         yield stack
+
+
+@pytest.fixture
+def mlflow_client(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An MlflowClient of the server, logged in as the worker is (MLflow reads the environment)."""
+    from mlflow import MlflowClient
+
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, stack.logins[key])
+    return MlflowClient(stack.mlflow_url)
 
 
 @dataclass
@@ -192,7 +230,8 @@ def deployment_run(stack: Stack, pipeline_run: PipelineRun) -> dict[str, Any]:
         PREFECT_WORKER_WEBSERVER_PORT=str(health_port), PREFECT_WORKER_QUERY_SECONDS="2",
         PREFECT_WORKER_PREFETCH_SECONDS="5",
     )
-    assert set(environment(worker)) - {"PREFECT_WORKER_WEBSERVER_PORT"} <= {"PREFECT_API_URL", "MLFLOW_TRACKING_URI"}
+    # the worker's compose environment: the two URLs and the logins, as client_env has them
+    assert set(environment(worker)) - {"PREFECT_WORKER_WEBSERVER_PORT"} <= {"PREFECT_API_URL", "MLFLOW_TRACKING_URI", *LOGIN_KEYS}
     stack.spawn("worker", command_lines(worker)[0], worker_env)
     stack.wait_healthy("worker", f"http://127.0.0.1:{health_port}/health", timeout=120)
 
@@ -229,10 +268,8 @@ def test_the_prefect_server_keeps_its_state_in_postgres(stack: Stack, pipeline_r
     assert pools == [("process",)]
 
 
-def test_runs_and_metrics_are_on_the_mlflow_server(stack: Stack, pipeline_run: PipelineRun) -> None:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(stack.mlflow_url)
+def test_runs_and_metrics_are_on_the_mlflow_server(pipeline_run: PipelineRun, mlflow_client: Any) -> None:
+    client = mlflow_client
     experiment = client.get_experiment_by_name("tiny")
     assert experiment is not None and experiment.artifact_location.startswith("mlflow-artifacts:")
     runs = client.search_runs(
@@ -250,11 +287,9 @@ def test_runs_and_metrics_are_on_the_mlflow_server(stack: Stack, pipeline_run: P
 
 
 def test_models_are_registered_and_their_artifacts_served_by_the_server(
-    stack: Stack, pipeline_run: PipelineRun, tmp_path: Path
+    stack: Stack, pipeline_run: PipelineRun, mlflow_client: Any, tmp_path: Path
 ) -> None:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(stack.mlflow_url)
+    client = mlflow_client
     assert {m.name for m in client.search_registered_models()} == MODELS
     champion = client.get_model_version_by_alias("tiny-policy", "champion")
     assert f"models:/tiny-policy/{champion.version}" in pipeline_run.stdout
@@ -269,7 +304,7 @@ def test_models_are_registered_and_their_artifacts_served_by_the_server(
 
 
 def test_a_deployment_on_the_gpu_pool_runs_on_the_compose_worker(
-    stack: Stack, pipeline_run: PipelineRun, deployment_run: dict[str, Any]
+    stack: Stack, pipeline_run: PipelineRun, deployment_run: dict[str, Any], mlflow_client: Any
 ) -> None:
     deployment, flow_run = deployment_run["deployment"], deployment_run["flow_run"]
     assert deployment["work_pool_name"] == "gpu"
@@ -282,12 +317,30 @@ def test_a_deployment_on_the_gpu_pool_runs_on_the_compose_worker(
     assert {r["state"]["name"] for r in runs} == {"Cached"}, [(r["name"], r["state"]["name"]) for r in runs]
     assert {stage_of(r) for r in runs} >= STAGES
     # and it tracked to the same MLflow server, as cached child runs of a new parent run
-    from mlflow import MlflowClient
-
-    client = MlflowClient(stack.mlflow_url)
+    client = mlflow_client
     experiment = client.get_experiment_by_name("tiny")
     tracked = client.search_runs(
         [experiment.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run['id']}'"
     )
     cached = [r for r in tracked if r.data.tags.get("rlhf.cached") == "true"]
     assert len(cached) == 6, [(r.info.run_name, r.data.tags.get("rlhf.cached")) for r in tracked]
+
+
+def test_the_servers_refuse_clients_without_the_login_but_not_the_healthchecks(stack: Stack) -> None:
+    """401 without credentials, with a wrong password or an unknown user, on both APIs; 200 with
+    the worker's login, and on the health endpoints the compose healthchecks probe, without one."""
+    mlflow_login = f"{stack.logins['MLFLOW_TRACKING_USERNAME']}:{stack.logins['MLFLOW_TRACKING_PASSWORD']}"
+    probes = [
+        ("POST", f"{stack.prefect_url}/flows/filter", stack.logins["PREFECT_API_AUTH_STRING"]),
+        ("GET", f"{stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", mlflow_login),
+    ]
+    for method, url, login in probes:
+        user, password = login.split(":", 1)
+        assert status_of(method, url, login) == 200, url
+        for wrong in (None, f"{user}:{password}x", f"{user}:", f"someone-else:{password}"):
+            assert status_of(method, url, wrong) == 401, (url, wrong)
+    for url in (f"{stack.prefect_url}/health", f"{stack.mlflow_url}/health"):
+        assert status_of("GET", url, None) == 200, url
+    # MLflow's users live in Postgres too, its admin made from the .env's login
+    users = query(stack, "mlflow_auth", "SELECT username, is_admin FROM users")
+    assert users == [(stack.logins["MLFLOW_TRACKING_USERNAME"], True)], users
