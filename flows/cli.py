@@ -88,6 +88,28 @@ def _check_work_dir(work_dir: str) -> None:
         raise typer.Exit(2) from None
 
 
+def _check_prefect() -> None:
+    """A Prefect server (PREFECT_API_URL) that does not answer or refuses the login is one
+    line now, before any model is loaded; without one the ephemeral API starts with the flow."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_flows(limit=1)
+    except Exception as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        reason = (
+            f"the Prefect server refused the login ({status}): set PREFECT_API_AUTH_STRING=user:password"
+            if status in (401, 403) else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )
+        typer.echo(f"error: PREFECT_API_URL {url}: {reason}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _check_tracking(cfg: Any) -> None:
     """An unusable tracking store is reported now, before Prefect starts (the ephemeral API alone
     takes tens of seconds) and long before any training; the flow checks again for deployments."""
@@ -129,6 +151,7 @@ def _run_reporting_errors(cfg: Any, force: list[str] | None, debug: bool) -> dic
     from flows.tracking import TrackingError
 
     work_dir = pipeline_work_dir(cfg)
+    _check_prefect()
     try:
         _check_tracking(cfg)
         with work_folder_lock(work_dir):  # checked before Prefect starts; the flow re-enters it
@@ -190,6 +213,7 @@ def deploy(
     """Schedule the pipeline on a Prefect server (serve here, or deploy to a work pool)."""
     cfg = _load(config, set_)
     configure_environment(cfg.orchestration.work_dir)
+    _check_prefect()
     from flows.schedule import SchedulingError, schedule
 
     try:

@@ -79,6 +79,11 @@ def connect(uri: str, experiment: str, artifact_root: Path | None = None) -> str
         location = artifact_root.resolve().as_uri() if artifact_root is not None and uri.startswith("sqlite") else None
         return client.create_experiment(experiment, artifact_location=location)
     except Exception as exc:  # mlflow raises many types for unreachable/misconfigured stores
+        if "401" in str(exc).split("Response body")[0]:
+            raise TrackingError(
+                f"tracking.uri {uri!r}: the MLflow server refused the login (401): "
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+            ) from None
         raise TrackingError(f"tracking.uri {uri!r}: MLflow tracking store unusable: {type(exc).__name__}: {exc}") from None
 
 

@@ -344,3 +344,25 @@ def test_the_servers_refuse_clients_without_the_login_but_not_the_healthchecks(s
     # MLflow's users live in Postgres too, its admin made from the .env's login
     users = query(stack, "mlflow_auth", "SELECT username, is_admin FROM users")
     assert users == [(stack.logins["MLFLOW_TRACKING_USERNAME"], True)], users
+
+
+@pytest.mark.parametrize(
+    ("dropped", "expected"),
+    [
+        (("PREFECT_API_AUTH_STRING",), "the Prefect server refused the login (401): set PREFECT_API_AUTH_STRING=user:password"),
+        (("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"),
+         "the MLflow server refused the login (401): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"),
+    ],
+    ids=["prefect", "mlflow"],
+)
+def test_rlhf_run_without_a_login_is_one_line_naming_what_to_set(
+    stack: Stack, tmp_path: Path, dropped: tuple[str, ...], expected: str
+) -> None:
+    env = {k: v for k, v in stack.client_env().items() if k not in dropped}
+    result = subprocess.run(
+        [str(BIN / "rlhf"), "run", str(TINY_CONFIG), "--set", f"orchestration.work_dir={tmp_path / 'work'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].endswith(expected), errors
