@@ -7,10 +7,40 @@ over ranks, so the update equals a single process's update on the same samples:
 - reward / advantage whitening: the valid-token count, sum and squared deviations are summed;
 - the minibatch split: every rank draws the same permutation of the global batch and keeps the
   rows it holds, so minibatch j has the same members as in one process;
-- the loss normaliser (the minibatch's token count) is the global count, and gradients are
+- the loss normaliser (the minibatch's token count N) is the global count, and gradients are
   SUM-reduced: sum_r grad(sum_{tokens of r} l_t / N) = grad(sum_t l_t / N), the one-process
-  gradient (plain DDP averages, which would be exact only for equal token counts);
+  gradient (plain DDP, a mean over ranks of per-rank means, is exact only for equal token counts);
 - the KL controller sees the global mean sequence KL.
+
+Gradients are reduced by torch's DistributedDataParallel (`GradientSync`), bucket by bucket
+while the backward is still running, with these choices:
+
+- SUM, not mean: DDP's default reduction divides each bucket by W, so a communication hook
+  that all-reduces the bucket with SUM and returns it untouched replaces it. Scaling each
+  rank's loss by W instead would let DDP compute sum_r (W g_r) / W, which equals sum_r g_r only
+  when W is a power of two: otherwise the product, the quotient and every backward op carrying
+  the scaled gradient round differently. The hook leaves each rank's backward exactly as one
+  process runs it and only adds, for any W (the old hand-written buckets did the same sum).
+- One DDP over the policy and the value module together (the separate critic, or the head on
+  the policy's shared trunk): one forward, one backward, one set of buckets, so a trunk feeding
+  both the policy and the value loss is reduced once. DDP reduces only parameters that require
+  a gradient, so frozen weights (a LoRA policy's base) cost no communication after the initial
+  broadcast. Every trainable parameter takes part in the training forward, so
+  find_unused_parameters stays off (no graph search per forward; a model whose forward skips
+  trainable weights fails in DDP's check, "Expected to have finished reduction in the prior
+  iteration", at the next minibatch's first forward).
+- DDP reduces only what runs inside its forward, and ours does not go through model.forward
+  (packed rows call the trunk and the LM head themselves): the wrapped module's forward runs
+  a function the trainer passes (`GradientSync.__call__`). Only the training micro-steps go
+  through it; generation and old-policy / reference / reward scoring use the bare modules.
+- Accumulation: all micro-batches of a minibatch but the last run inside no_sync(), so the
+  accumulated gradient is all-reduced once, in the last backward. A rank holding none of a
+  minibatch's rows (the shuffle can give it none) still runs one micro-step, on its own row 0
+  with loss weight 0, so that every rank issues the same collectives; its gradient is zero.
+- No buffer broadcast at each forward (the models have no running statistics, and ranks run
+  different numbers of forwards per minibatch); parameters (frozen ones included) and buffers
+  are broadcast from rank 0 once, when DDP is built. After the reduction the gradients are views
+  into DDP's buckets (gradient_as_bucket_view), so autograd's copies are freed before the step.
 
 Ranks therefore hold identical weights and optimiser states after every step; only rank 0
 writes checkpoints and logs.
@@ -18,16 +48,17 @@ writes checkpoints and logs.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-_BUCKET = 32 * 1024 * 1024  # elements per gradient all-reduce: bounded extra memory
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -102,48 +133,65 @@ class DataParallel:
     def mean_floats(self, stats: dict[str, float]) -> dict[str, float]:
         return {k: v / self.world_size for k, v in self.sum_floats(stats).items()}
 
-    def sync_gradients(self, params: Iterable[nn.Parameter]) -> None:
-        """SUM-reduce gradients in flat buckets; a rank without rows this step sends zeros."""
-        if not self.enabled:
-            return
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket: list[nn.Parameter] = []
-        size = 0
-        for p in params:
-            bucket.append(p)
-            size += p.numel()
-            if size >= _BUCKET:
-                _all_reduce_grads(bucket)
-                bucket, size = [], 0
-        if bucket:
-            _all_reduce_grads(bucket)
-
-    def broadcast_parameters(self, modules: Iterable[nn.Module | None]) -> None:
-        """Start every rank from rank 0's weights, whatever each process loaded."""
-        if not self.enabled:
-            return
-        for module in modules:
-            if module is None:
-                continue
-            for tensor in (*module.parameters(), *module.buffers()):
-                dist.broadcast(tensor.data, src=0)
-
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
 
 
-def _all_reduce_grads(params: list[nn.Parameter]) -> None:
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
+class _TrainingForward(nn.Module):
+    """The modules a training step differentiates, as the one module DDP wraps; its forward
+    runs whatever function the caller passes, which reaches the modules as it likes."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+
+def _sum_hook(sync, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """DDP communication hook (GradientSync, dist.GradBucket) -> Future[Tensor]: all-reduce the
+    bucket with SUM, no division by the world size."""
+    if bucket.index() == 0:
+        sync.reductions += 1
+    work = dist.all_reduce(bucket.buffer(), group=sync.ddp.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class GradientSync:
+    """Gradient reduction for the training step: DistributedDataParallel over `modules` with a
+    SUM hook (see the module docstring); in one process a pass-through.
+
+    Build it on every rank at the same point (it broadcasts rank 0's weights), run the training
+    forward through `__call__`, and iterate a minibatch's micro-batches with `micro_batches`."""
+
+    def __init__(self, dp: DataParallel, modules: Sequence[nn.Module | None]) -> None:
+        self.reductions = 0  # backward passes whose gradients DDP all-reduced (bucket 0 counted)
+        self.ddp: DistributedDataParallel | None = None
+        if dp.enabled:
+            self.ddp = DistributedDataParallel(
+                _TrainingForward([m for m in modules if m is not None]),
+                forward_sync_buffers=False,
+                gradient_as_bucket_view=True,
+            )
+            self.ddp.register_comm_hook(self, _sum_hook)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) inside DDP's forward, so that the backward of its outputs reduces gradients."""
+        return fn(*args) if self.ddp is None else self.ddp(fn, *args)
+
+    def micro_batches(self, rows: torch.Tensor, size: int) -> Iterator[tuple[torch.Tensor, float]]:
+        """This rank's micro-batches of a minibatch as (local rows, loss weight); the loop body
+        runs the forward and backward. All but the last run under no_sync(): DDP all-reduces
+        once, in the last backward. A rank with no rows yields its row 0 with weight 0, so it
+        joins that all-reduce with a zero gradient (one process is never given no rows)."""
+        chunks = rows.split(size) if len(rows) else (rows.new_zeros(1),)
+        weight = 1.0 if len(rows) else 0.0
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                yield chunk, weight
 
 
 def shutdown() -> None:

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.checkpoint import checkpoint_name, read_checkpoint, write_checkpoint
-from ppo_core.lm.distributed import DataParallel
+from ppo_core.lm.distributed import DataParallel, GradientSync
 from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
@@ -108,7 +108,7 @@ class PPOTrainer:
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
         self.iteration = 0
         self.consecutive_skips = 0
-        self.dp.broadcast_parameters((self.policy, self.value_module))
+        self.grad_sync = GradientSync(self.dp, (self.policy, self.value_module))  # broadcasts rank 0's weights
         self._seed_rank()
         self.last_experience: Experience | None = None
 
@@ -121,9 +121,6 @@ class PPOTrainer:
         """The module that holds the value weights: the separate critic, else the shared head."""
         return self.critic if self.critic is not None else self.shared_head
 
-    def _value_params(self) -> list[nn.Parameter]:
-        return [p for p in self.value_module.parameters() if p.requires_grad]
-
     def _make_optimizers(self) -> list[torch.optim.Optimizer]:
         cfg = self.config
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -133,7 +130,7 @@ class PPOTrainer:
         kwargs = {"eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "fused": True}
         return [
             torch.optim.AdamW(policy_params, lr=cfg.learning_rate, **kwargs),
-            torch.optim.AdamW(self._value_params(), lr=critic_lr, **kwargs),
+            torch.optim.AdamW([p for p in self.value_module.parameters() if p.requires_grad], lr=critic_lr, **kwargs),
         ]
 
     def _seed_rank(self) -> None:
@@ -274,10 +271,11 @@ class PPOTrainer:
         # the minibatch's token count over all ranks normalises the loss (see ppo_core.lm.distributed)
         n_tokens = float(self.dp.sum(exp.mask[rows].sum()).clamp(min=1))
         acc = MetricAccumulator()
-        for chunk in rows.split(self.config.effective_micro_batch_size):
-            acc.add(self._micro_step(exp.select(chunk), n_tokens))
+        # DDP all-reduces (SUM) in the last micro-batch's backward; a rank without rows gets weight 0
+        for chunk, weight in self.grad_sync.micro_batches(rows, self.config.effective_micro_batch_size):
+            micro = self._micro_step(exp.select(chunk), n_tokens, weight)
+            acc.add(micro if weight else {})
         stats = self.dp.sum_floats(dict.fromkeys(MICRO_STEP_KEYS, 0.0) | acc.sums())
-        self.dp.sync_gradients(p for opt in self.optimizers for p in opt.param_groups[0]["params"])
         norms = self._clip_gradients()
         finite = all(math.isfinite(v) for v in (*norms, stats["loss/total"]))
         if finite:
@@ -302,14 +300,18 @@ class PPOTrainer:
         groups = [opt.param_groups[0]["params"] for opt in self.optimizers]
         return tuple(float(torch.nn.utils.clip_grad_norm_(g, limit)) for g in groups)  # type: ignore[return-value]
 
-    def _micro_step(self, mb: Experience, n_tokens: float) -> dict[str, float]:
-        """Forward + backward on one micro-batch; losses are sums / minibatch token count, so
-        accumulated gradients equal one forward over the whole minibatch."""
+    def _train_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> tuple[PolicyOutput, torch.Tensor]:
+        policy_out = self._policy_forward(ids, am, n)
+        return policy_out, self._values(ids, am, n, policy_out.hidden)
+
+    def _micro_step(self, mb: Experience, n_tokens: float, weight: float = 1.0) -> dict[str, float]:
+        """Forward (inside DDP's, see GradientSync) + backward of weight * loss on one micro-batch;
+        losses are sums / minibatch token count, so accumulated gradients equal one forward over
+        the whole minibatch."""
         cfg, mask = self.config, mb.mask
         ids, am, n = mb.rollout.input_ids, mb.rollout.attention_mask, mb.rollout.response_len
         with self._autocast():
-            policy_out = self._policy_forward(ids, am, n)
-            values = self._values(ids, am, n, policy_out.hidden)
+            policy_out, values = self.grad_sync(self._train_forward, ids, am, n)
         logprobs = policy_out.logprobs
         pg_loss, pg = clipped_surrogate_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.cliprange, n_tokens)
         vf_loss, vf = clipped_value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value, n_tokens)
@@ -319,7 +321,7 @@ class PPOTrainer:
         if not cfg.kl.in_reward:
             kl = kl_penalty_per_token(logprobs, mb.old_logprobs, mb.ref_logprobs, cfg.kl.estimator)
             loss = loss + self.kl_ctl.value * masked_sum(kl, mask) / n_tokens
-        loss.backward()
+        (loss * weight).backward()  # x 1.0 is exact
         share = float(mask.sum()) / n_tokens
         return {
             "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "loss/total": loss.item(),
