@@ -20,7 +20,8 @@ from pydantic import create_model
 
 from flows.caching import key_from_parameters
 from flows.refs import ReferenceRef
-from flows.stages.common import logger, stage_dir, write_prompt_file
+from flows.stages.common import logger, placement, stage_dir, write_prompt_file
+from ppo_core.config import DeviceConfig
 from ppo_core.data.config import HumanPreferenceSource, PromptConfig
 from ppo_core.data.labelers import export_unlabeled, sample_response_groups
 from ppo_core.data.prompts import load_prompts, split_prompts
@@ -31,14 +32,15 @@ Choice = Literal["a", "b", "skip"]
 
 @task(name="sample_pairs_for_labelling", cache_key_fn=key_from_parameters, persist_result=True)
 def sample_pairs_for_labelling(
-    key: str, source: HumanPreferenceSource, prompt_cfg: PromptConfig, reference: ReferenceRef, work_dir: str
+    key: str, source: HumanPreferenceSource, prompt_cfg: PromptConfig, device: DeviceConfig, reference: ReferenceRef,
+    work_dir: str,
 ) -> str:
     """Sample k responses per training prompt from the reference and export the unlabelled pairs."""
     folder = stage_dir(work_dir, "sample_pairs_for_labelling", key)
     train, _ = split_prompts(load_prompts(prompt_cfg), prompt_cfg.heldout_fraction)
     prompts = train[: source.n_prompts] if source.n_prompts else train
     tokenizer = load_tokenizer(reference.path)
-    policy = load_causal_lm(reference.path)
+    policy = placement(device).place(load_causal_lm(reference.path))
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling, source.batch_size, 0
     )

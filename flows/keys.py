@@ -45,7 +45,8 @@ def file_fingerprint(path: str | None) -> str | None:
 def reward_key(cfg: PipelineConfig, prefs: PreferenceSet, reference: ReferenceRef) -> str:
     return stage_key(
         "train_reward_model",
-        {"reward_model": cfg.reward_model, "gold": cfg.evaluation.gold_scorer},
+        {"reward_model": cfg.reward_model, "gold": cfg.evaluation.gold_scorer}
+        | ({"normalisation_sampling": cfg.ppo.sampling} if cfg.reward_model.normalise else {}),
         {"preferences": prefs.sha256, "reference": reference.sha256},
     )
 

@@ -126,7 +126,8 @@ def _human_labels(run: StageRunner, cfg: PipelineConfig, reference: ReferenceRef
     source = cfg.preferences.source
     unlabelled = run(
         sample_pairs_for_labelling, "collect_preferences", "sample_pairs_for_labelling",
-        key=keys.human_pairs_key(cfg, reference), source=source, prompt_cfg=cfg.prompts, reference=reference,
+        key=keys.human_pairs_key(cfg, reference), source=source, prompt_cfg=cfg.prompts,
+        device=cfg.orchestration.device, reference=reference,
         work_dir=work_dir,
     )
     return collect_human_labels(unlabelled, source.pairs_per_form, source.timeout_seconds)
@@ -188,13 +189,14 @@ def _run_stages(cfg: PipelineConfig, work_dir: Path, force: list[str] | None) ->
         prefs = run(
             collect_preferences, "collect_preferences", "collect_preferences",
             key=keys.preferences_key(cfg, reference, labels),
-            preferences=cfg.preferences, prompts=cfg.prompts, reference=reference, labels_path=labels, **common,
+            preferences=cfg.preferences, prompts=cfg.prompts, device=device, reference=reference, labels_path=labels,
+            **common,
         )
         reward = run(
             train_reward_model, "train_reward_model", "train_reward_model",
             key=keys.reward_key(cfg, prefs, reference),
             reward_model=cfg.reward_model, prompts=cfg.prompts, gold_scorer=cfg.evaluation.gold_scorer,
-            prefs=prefs, reference=reference, **common,
+            sampling=cfg.ppo.sampling, device=device, prefs=prefs, reference=reference, **common,
         )
         policies = []
         previous = None

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from flows.config import PPOStageConfig
 from flows.faults import kill_point, maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
-from flows.stages.common import logger, read_prompt_file
+from flows.stages.common import logger, placement, read_prompt_file
 from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
@@ -75,23 +75,24 @@ class RoundOutput(BaseModel):
 def build_trainer(job: RoundJob, on_metrics: MetricsCallback | None, parallel: DataParallel | None = None) -> PPOTrainer:
     """Models and data for PPO, all from the stage references."""
     ppo, reference = job.ppo, job.reference
+    where = placement(job.device)
     tokenizer = load_tokenizer(reference.path)
-    policy = load_causal_lm(reference.path)
+    policy = where.place(load_causal_lm(reference.path))
     ref_model = None
     if ppo.lora:
         from peft import LoraConfig, get_peft_model
 
         policy = get_peft_model(policy, LoraConfig(task_type="CAUSAL_LM", **ppo.lora))
     else:
-        ref_model = load_causal_lm(reference.path)
+        ref_model = where.place(load_causal_lm(reference.path))
     critic = None
     if ppo.algo.critic == "separate":
-        critic = (
+        critic = where.place(
             CriticModel.from_pretrained(job.reward.path)
             if ppo.critic_init == "reward_model"
             else CriticModel.from_model(policy)
         )
-    rm = RewardModel.from_pretrained(job.reward.path)
+    rm = where.place(RewardModel.from_pretrained(job.reward.path))  # scores every rollout: beside the policy
     texts = read_prompt_file(job.prefs.train_prompts_path)
     scorer = RewardScorer(rm, tokenizer, texts)
     prompt_ids = encode_prompts(tokenizer, texts, job.prompts)

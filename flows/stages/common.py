@@ -9,12 +9,21 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
+from ppo_core.config import DeviceConfig
+from ppo_core.lm import placement as lm_placement
+from ppo_core.lm.placement import Placement
+
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("rlhf")
+
+
+def placement(device: DeviceConfig) -> Placement:
+    """The one device resolver (looked up at call time, so a test can stand in for it)."""
+    return lm_placement.resolve_placement(device)
 
 
 def stage_dir(work_dir: str | Path, stage: str, key: str) -> Path:

@@ -18,7 +18,7 @@ from flows.faults import kill_point
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import register_policy
 from flows.registry import set_alias
-from flows.stages.common import logger, read_prompt_file, stage_dir
+from flows.stages.common import logger, placement, read_prompt_file, stage_dir
 from flows.tracking import TrackingContext, stage_run
 from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
@@ -29,7 +29,7 @@ from ppo_core.eval.evaluate import HeldOut, PolicyEval, evaluate_policy, evaluat
 from ppo_core.eval.markdown import report_markdown
 from ppo_core.eval.plots import plot_overoptimisation
 from ppo_core.eval.report import EvalReport, build_report
-from ppo_core.lm.models import load_causal_lm, load_tokenizer, pick_device
+from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.reward.model import RewardModel
 
 
@@ -88,13 +88,13 @@ def evaluate(
     start = time.perf_counter()
     log = logger()
     cfg = evaluation
-    where = pick_device(device.device)
+    where = placement(device)
     folder = stage_dir(work_dir, "evaluate", key)
     texts = read_prompt_file(prefs.heldout_prompts_path)[: cfg.n_prompts]
     tokenizer = load_tokenizer(reference.path)
     ids = encode_prompts(tokenizer, texts, prompts)
-    ref_model = load_causal_lm(reference.path).to(where).eval()
-    rm = RewardModel.from_pretrained(reward.path, device=str(where))
+    ref_model = where.place(load_causal_lm(reference.path)).eval()
+    rm = where.place(RewardModel.from_pretrained(reward.path))
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
     held = HeldOut(
         tokenizer, texts, ids, cfg.sampling, rm.score, gold,
@@ -107,7 +107,7 @@ def evaluate(
     chosen = policies if cfg.per_round else policies[-1:]
     for ckpt in chosen:
         log.info("evaluating round %d", ckpt.round)
-        policy = load_causal_lm(ckpt.path).to(where).eval()
+        policy = where.place(load_causal_lm(ckpt.path)).eval()
         rounds[ckpt.round] = evaluate_policy(policy, ref_model, held, ref_responses=ref_sample)
         del policy
     report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)

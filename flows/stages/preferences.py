@@ -13,8 +13,9 @@ from prefect import task
 
 from flows.caching import key_from_parameters
 from flows.refs import PreferenceSet, ReferenceRef
-from flows.stages.common import logger, stage_dir, write_prompt_file
+from flows.stages.common import logger, placement, stage_dir, write_prompt_file
 from flows.tracking import TrackingContext, stage_run
+from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PreferencesConfig, PromptConfig
 from ppo_core.data.labelers import (
     import_labels,
@@ -28,7 +29,8 @@ from ppo_core.lm.models import load_causal_lm, load_tokenizer
 
 
 def _collect_rows(
-    prefs: PreferencesConfig, prompt_cfg: PromptConfig, train: list[str], reference: ReferenceRef, labels: str | None
+    prefs: PreferencesConfig, prompt_cfg: PromptConfig, train: list[str], reference: ReferenceRef, labels: str | None,
+    device: DeviceConfig,
 ) -> tuple[list[PreferenceRow], dict[str, int], list[str]]:
     source = prefs.source
     tokenizer = load_tokenizer(reference.path)
@@ -39,7 +41,7 @@ def _collect_rows(
         if path is None:
             raise ValueError("preferences.source: human labels were not collected (no label file)")
         return import_labels(path), {}, []
-    policy = load_causal_lm(reference.path)
+    policy = placement(device).place(load_causal_lm(reference.path))
     prompts = train[: source.n_prompts] if source.n_prompts else train
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling,
@@ -57,6 +59,7 @@ def collect_preferences(
     key: str,
     preferences: PreferencesConfig,
     prompts: PromptConfig,
+    device: DeviceConfig,
     reference: ReferenceRef,
     work_dir: str,
     tracking: TrackingContext,
@@ -72,7 +75,7 @@ def collect_preferences(
             "both must be non-empty (add prompts or change prompts.heldout_fraction)"
         )
     log.info("prompts: %d train, %d held-out", len(train), len(heldout))
-    rows, rejected, examples = _collect_rows(preferences, prompts, train, reference, labels_path)
+    rows, rejected, examples = _collect_rows(preferences, prompts, train, reference, labels_path, device)
     info = write_preference_set(rows, folder / f"preferences.{preferences.format}", preferences.format, rejected, examples)
     result = PreferenceSet(
         path=info.path, sha256=info.sha256, n_rows=info.n_rows, n_read=info.n_read,

@@ -11,14 +11,15 @@ from flows.caching import key_from_parameters, sha256_tree
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import lineage_tags
 from flows.registry import register_model
-from flows.stages.common import logger, read_prompt_file, stage_dir
+from flows.stages.common import logger, placement, read_prompt_file, stage_dir
 from flows.tracking import MetricLogger, TrackingContext, stage_run
-from ppo_core.config import SamplingConfig
+from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.data.labelers import load_gold_scorer, sample_response_groups
 from ppo_core.data.preferences import read_preference_set
 from ppo_core.lm.folders import replace_folder, temp_folder_for
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
+from ppo_core.lm.placement import Placement
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.training import fit_normalisation, split_reward_rows
 from ppo_core.reward.training import train_reward_model as train_rm
@@ -26,12 +27,16 @@ from ppo_core.reward.training import train_reward_model as train_rm
 NORMALISATION_PROMPTS = 64
 
 
-def _reference_samples(reference: ReferenceRef, prompts: list[str], prompt_cfg: PromptConfig, seed: int) -> tuple[list[str], list[str]]:
-    """Reference-policy responses to training prompts: what normalisation is fitted on
-    (lm-human-preferences), so the PPO policy starts at reward mean 0, std 1."""
+def _reference_samples(
+    reference: ReferenceRef, prompts: list[str], prompt_cfg: PromptConfig, sampling: SamplingConfig, where: Placement,
+    seed: int,
+) -> tuple[list[str], list[str]]:
+    """Reference-policy responses to training prompts, sampled as PPO samples (`ppo.sampling`):
+    what normalisation is fitted on (lm-human-preferences), so the PPO policy starts at reward
+    mean 0, std 1 on the distribution the RM will score."""
     tokenizer = load_tokenizer(reference.path)
-    policy = load_causal_lm(reference.path)
-    groups = sample_response_groups(policy, tokenizer, prompts, prompt_cfg, 1, SamplingConfig(), 32, seed)
+    policy = where.place(load_causal_lm(reference.path))
+    groups = sample_response_groups(policy, tokenizer, prompts, prompt_cfg, 1, sampling, 32, seed)
     return [p for p, _ in groups], [rs[0] for _, rs in groups]
 
 
@@ -41,6 +46,8 @@ def train_reward_model(
     reward_model: RewardModelConfig,
     prompts: PromptConfig,
     gold_scorer: str | None,
+    sampling: SamplingConfig,
+    device: DeviceConfig,
     prefs: PreferenceSet,
     reference: ReferenceRef,
     work_dir: str,
@@ -53,10 +60,13 @@ def train_reward_model(
     gold = load_gold_scorer(gold_scorer) if gold_scorer else None
     final = stage_dir(work_dir, "train_reward_model", key) / "model"
     with stage_run(tracking, "train_reward_model") as run_id:
-        rm, report = train_rm(cfg, train_rows, eval_rows, on_metrics=MetricLogger(run_id, tracking.uri), gold_scorer=gold)
+        where = placement(DeviceConfig(device=cfg.device, bf16=device.bf16) if cfg.device else device)
+        rm, report = train_rm(
+            cfg, train_rows, eval_rows, on_metrics=MetricLogger(run_id, tracking.uri), gold_scorer=gold, placement=where,
+        )
         if cfg.normalise:
             texts = read_prompt_file(prefs.train_prompts_path)[:NORMALISATION_PROMPTS]
-            fit_normalisation(rm, *_reference_samples(reference, texts, prompts, cfg.seed))
+            fit_normalisation(rm, *_reference_samples(reference, texts, prompts, sampling, where, cfg.seed))
         tmp = temp_folder_for(final)
         rm.save_pretrained(tmp)
         replace_folder(tmp, final)

@@ -52,8 +52,8 @@ class RewardModelConfig(StrictModel):
     gold_min_gap: float = Field(0.1, ge=0.0)
     """Held-out agreement with the gold scorer counts only pairs whose gold scores differ by
     more than this."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the RM trains and scores."""
+    device: Literal["auto", "cpu", "cuda"] | None = None
+    """Where the RM trains: None = the pipeline's orchestration.device (`auto` when used alone)."""
     seed: int = 0
     """Seed for head initialisation and shuffling."""
     trust_remote_code: bool = False

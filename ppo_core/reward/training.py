@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
+from ppo_core.config import DeviceConfig
 from ppo_core.data.labelers import GoldScorer
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import reward_eval_prompts
-from ppo_core.lm.models import freeze_below_top_blocks, pick_device
+from ppo_core.lm.models import freeze_below_top_blocks
+from ppo_core.lm.placement import Placement, resolve_placement
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
@@ -201,16 +203,19 @@ def train_reward_model(
     eval_rows: Sequence[PreferenceRow],
     on_metrics: MetricsCallback | None = None,
     gold_scorer: GoldScorer | None = None,
+    placement: Placement | None = None,
 ) -> tuple[RewardModel, RewardTrainReport]:
     """AdamW with linear anneal over `epochs` passes, then held-out evaluation. The RM is not
     normalised here (whatever `cfg.normalise` says): call `fit_normalisation` on reference-policy
-    samples afterwards, as the pipeline does when `cfg.normalise` is set."""
+    samples afterwards, as the pipeline does when `cfg.normalise` is set. The RM trains on
+    `placement` (default: resolved from `cfg.device`)."""
     if not train_rows:
         raise ValueError("no training pairs")
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    rm = RewardModel.from_pretrained(
-        cfg.backbone, pick_device(cfg.device), cfg.trust_remote_code, cfg.max_length, cfg.pooling
+    placement = placement or resolve_placement(DeviceConfig(device=cfg.device or "auto"))
+    rm = placement.place(
+        RewardModel.from_pretrained(cfg.backbone, "cpu", cfg.trust_remote_code, cfg.max_length, cfg.pooling)
     )
     if cfg.trainable_layers is not None:
         freeze_below_top_blocks(rm.model, cfg.trainable_layers)
