@@ -29,7 +29,8 @@ from ppo_core.data.prompts import BUILTIN, builtin_path
 from ppo_core.data.records import is_local_file
 from ppo_core.eval.config import EvaluationConfig
 from ppo_core.lm.distributed import DataParallel
-from ppo_core.lm.models import ModelSourceError, check_hub_model, resolve_source
+from ppo_core.lm.lora import LoRAConfig, check_target_modules
+from ppo_core.lm.models import ModelSourceError, check_hub_model, model_skeleton, resolve_source
 from ppo_core.ppo.config import PPOConfig
 from ppo_core.reward.config import RewardModelConfig
 
@@ -73,8 +74,10 @@ class PPOStageConfig(StrictModel):
     """In-round checkpoint period in iterations (a crash resumes from the last one)."""
     critic_init: Literal["policy", "reward_model"] = "policy"
     """Critic backbone: a copy of the policy trunk, or the reward model's (must share the tokenizer)."""
-    lora: dict[str, Any] | None = None
-    """peft LoraConfig kwargs (e.g. {r: 16, lora_alpha: 32}); the reference is then the base model."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of the whole policy (ppo_core.lm.lora): the reference is then
+    the base with the adapters off; a separate critic gets adapters of its own, a shared value
+    head sits on the adapted trunk. `{}` takes every default."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling."""
     algo: PPOConfig = Field(default_factory=PPOConfig)
@@ -230,7 +233,20 @@ def _check_sources(cfg: PipelineConfig) -> list[str]:
         problem = check_hub_model(hub_id) if hub_id else None
         if problem:
             problems.append(f"{field}: {problem}")
+    if not problems and cfg.ppo.lora is not None:
+        problems += _check_lora_targets(cfg)
     return problems + _check_data_files(cfg)
+
+
+def _check_lora_targets(cfg: PipelineConfig) -> list[str]:
+    """Named LoRA targets must be linear layers of the policy (checked on its weightless skeleton)."""
+    if not isinstance(cfg.ppo.lora.target_modules, list):
+        return []
+    try:
+        check_target_modules(model_skeleton(cfg.reference_source, cfg.model.trust_remote_code), cfg.ppo.lora)
+    except ValueError as exc:
+        return [f"ppo.lora.target_modules: {exc}"]
+    return []
 
 
 def _check_data_files(cfg: PipelineConfig) -> list[str]:

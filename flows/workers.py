@@ -32,6 +32,7 @@ from ppo_core.data.prompts import encode_prompts
 from ppo_core.lm.checkpoint import prune_checkpoints
 from ppo_core.lm.distributed import DataParallel, shutdown
 from ppo_core.lm.folders import replace_folder, temp_folder_for
+from ppo_core.lm.lora import add_adapters_in_place, add_policy_adapters
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.ppo.trainer import PPOTrainer
@@ -72,26 +73,29 @@ class RoundOutput(BaseModel):
     samples: list[dict]
 
 
+ADAPTER = "adapter"  # beside the exported policy of a LoRA round
+
+
 def build_trainer(job: RoundJob, on_metrics: MetricsCallback | None, parallel: DataParallel | None = None) -> PPOTrainer:
     """Models and data for PPO, all from the stage references."""
     ppo, reference = job.ppo, job.reference
     where = placement(job.device)
     tokenizer = load_tokenizer(reference.path)
     policy = where.place(load_causal_lm(reference.path))
-    ref_model = None
-    if ppo.lora:
-        from peft import LoraConfig, get_peft_model
-
-        policy = get_peft_model(policy, LoraConfig(task_type="CAUSAL_LM", **ppo.lora))
-    else:
-        ref_model = where.place(load_causal_lm(reference.path))
     critic = None
-    if ppo.algo.critic == "separate":
+    if ppo.algo.critic == "separate":  # built from the plain policy, before any adapter
         critic = where.place(
             CriticModel.from_pretrained(job.reward.path)
             if ppo.critic_init == "reward_model"
             else CriticModel.from_model(policy)
         )
+    ref_model = None  # with LoRA: the policy's base, adapters disabled
+    if ppo.lora:
+        policy = add_policy_adapters(policy, ppo.lora)
+        if critic is not None:
+            add_adapters_in_place(critic.backbone, ppo.lora)
+    else:
+        ref_model = where.place(load_causal_lm(reference.path))
     rm = where.place(RewardModel.from_pretrained(job.reward.path))  # scores every rollout: beside the policy
     texts = read_prompt_file(job.prefs.train_prompts_path)
     scorer = RewardScorer(rm, tokenizer, texts)
@@ -123,10 +127,15 @@ def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
 
 
 def _export_policy(trainer: PPOTrainer, folder: Path) -> None:
-    """Write the policy as a plain HF folder (LoRA merged: consumers need no peft)."""
+    """Write the policy as a plain HF folder (LoRA merged: consumers need no peft), and a LoRA
+    policy's adapter alone beside it (folder/../adapter). Merging changes the trainer's policy
+    in place: call this last."""
     tmp = temp_folder_for(folder)
     policy = trainer.policy
     if hasattr(policy, "merge_and_unload"):
+        adapter = temp_folder_for(folder.parent / ADAPTER)
+        policy.save_pretrained(adapter)
+        replace_folder(adapter, folder.parent / ADAPTER)
         policy = policy.merge_and_unload()
     policy.save_pretrained(tmp)
     trainer.tokenizer.save_pretrained(tmp)

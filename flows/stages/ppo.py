@@ -24,7 +24,7 @@ from flows.refs import PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardMode
 from flows.registration import register_policy
 from flows.stages.common import logger, stage_dir
 from flows.tracking import TrackingContext, stage_run
-from flows.workers import RoundJob
+from flows.workers import ADAPTER, RoundJob
 from ppo_core.config import DeviceConfig
 from ppo_core.data.config import PromptConfig
 from ppo_core.eval.plots import plot_training_curves
@@ -82,6 +82,8 @@ def ppo_round(
         )
         if plot is not None:
             mlflow.log_artifact(str(plot), artifact_path="plots")
+        if (folder / ADAPTER).is_dir():  # a LoRA round: the adapter beside the merged policy
+            mlflow.log_artifacts(str(folder / ADAPTER), artifact_path=ADAPTER)
         _log_samples(out.samples, round_number)
         if is_last and tracking.register_models:
             register_policy(result, tracking, prefs, reward, reference)

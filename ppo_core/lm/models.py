@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -149,6 +150,16 @@ def load_causal_lm(
     if src.gguf_file:
         model = dequantized_copy(model)
     return model
+
+
+def model_skeleton(source: str | ModelSource, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The causal LM's modules without weights (on the meta device, in a fraction of a second):
+    for checks and estimates that need only its structure and sizes."""
+    src = resolve_source(source) if isinstance(source, str) else source
+    location, kwargs = _pretrained_args(src, trust_remote_code)
+    config = AutoConfig.from_pretrained(location, **kwargs)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def dequantized_copy(model: PreTrainedModel) -> PreTrainedModel:

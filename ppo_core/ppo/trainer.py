@@ -25,9 +25,11 @@ from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.checkpoint import checkpoint_name, read_checkpoint, write_checkpoint
 from ppo_core.lm.distributed import DataParallel, GradientSync
 from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
+from ppo_core.lm.lora import load_trainable_state_dict, trainable_state_dict
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
+from ppo_core.lm.rng import load_rng_state, rng_state
 from ppo_core.lm.rollout import Rollout, generate, left_pad
 from ppo_core.ppo.config import PPOConfig
 from ppo_core.ppo.experience import (
@@ -351,12 +353,12 @@ class PPOTrainer:
         """Everything a resumed run needs to continue bit for bit, one entry per checkpoint file.
         As with nn.Module.state_dict the tensors are the live ones: deepcopy for a snapshot."""
         return {
-            "policy": self.policy.state_dict(),
-            "value": self.value_module.state_dict(),  # the critic, or the shared value head
+            # what trains: whole models, or a LoRA policy's adapters (ppo_core.lm.lora)
+            "policy": trainable_state_dict(self.policy),
+            "value": trainable_state_dict(self.value_module),  # the critic, or the shared value head
             "optim": {"optimizers": [opt.state_dict() for opt in self.optimizers],
                       "schedulers": [sched.state_dict() for sched in self.schedulers]},
-            "rng": {"torch": torch.get_rng_state(), "shuffle": self.shuffle_gen.get_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "rng": rng_state(self.shuffle_gen),
             "trainer": {"iteration": self.iteration, "consecutive_skips": self.consecutive_skips,
                         "kl_controller": self.kl_ctl.state_dict()},
         }
@@ -364,18 +366,13 @@ class PPOTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; with data parallelism every rank then reseeds its sampling
         (the state holds rank 0's RNG, which the other ranks must not replay)."""
-        self.policy.load_state_dict(state["policy"])
-        self.value_module.load_state_dict(state["value"])
+        load_trainable_state_dict(self.policy, state["policy"])
+        load_trainable_state_dict(self.value_module, state["value"])
         for opt, opt_state in zip(self.optimizers, state["optim"]["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
         for sched, sched_state in zip(self.schedulers, state["optim"]["schedulers"], strict=True):
             sched.load_state_dict(sched_state)
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self.shuffle_gen.set_state(rng["shuffle"])
-        random.setstate(rng["python"])
+        load_rng_state(state["rng"], self.shuffle_gen)
         meta = state["trainer"]
         self.iteration, self.consecutive_skips = int(meta["iteration"]), int(meta["consecutive_skips"])
         self.kl_ctl.load_state_dict(meta["kl_controller"])
