@@ -88,11 +88,22 @@ class PPOStageConfig(StrictModel):
     """Data-parallel processes per round (torchrun; one per GPU, or gloo on CPU). Each rolls out
     algo.batch_size / processes responses with its own seed; the update equals one process's on
     the same samples (ppo_core.lm.distributed). Rank 0 logs and checkpoints."""
+    sharding: Literal["none", "fsdp"] = "none"
+    """With processes > 1: `none` replicates the models on every rank (DistributedDataParallel);
+    `fsdp` shards the policy and critic (parameters, gradients, optimizer state) over the ranks
+    with FSDP2, and the frozen models too."""
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> PPOStageConfig:
         DataParallel(0, self.processes).check_batch(self.algo.batch_size, self.algo.mini_batch_size)
         return self
+
+    @field_validator("sharding")
+    @classmethod
+    def _sharding_needs_ranks(cls, sharding: str, info: ValidationInfo) -> str:
+        if sharding == "fsdp" and info.data.get("processes", 2) < 2:
+            raise ValueError("fsdp shards over ppo.processes ranks: set ppo.processes >= 2, or sharding: none")
+        return sharding
 
     @field_validator("algo")
     @classmethod
