@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ppo_core.lm.packing as packing
 from ppo_core.config import SamplingConfig
@@ -91,15 +92,25 @@ def test_layout_holds_each_rows_real_tokens_after_one_prefix_per_bin() -> None:
     assert not allowed[0, 0][(q >= 0) & (k >= 0) & (q != k)].any()  # rows never see each other
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_gpt2], ids=["llama-rope", "gpt2-absolute"])
-def test_logprobs_and_gradients_equal_the_plain_forward(budget: int, temperature: float, factory) -> None:
+def test_logprobs_and_gradients_equal_the_plain_forward(budget: int, temperature: float, factory, checkpointing: bool) -> None:
+    """Against the plain forward without checkpointing; with gradient checkpointing the packed
+    forward's recomputed layers get the same block mask and positions (checked: they ran)."""
     ids, mask, n = _ragged_batch()
     weights = torch.randn(ids.shape[0], n, generator=torch.Generator().manual_seed(0))
     results = []
+    recomputed = []
     for packed in (False, True):
         model = factory(seed=1)
+        if packed and checkpointing:
+            model.gradient_checkpointing_enable()
+            model.train()
+            layer = next(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
+            next(layer.children()).register_forward_hook(lambda *_: recomputed.append(True))
         assert can_pack(model)
+        recomputed.clear()  # can_pack's one-off check of the LM head ran a forward
         logprobs, _ = response_logprobs(model, ids, mask, n, temperature, packed=packed)
         (logprobs * weights * mask[:, -n:]).sum().backward()
         results.append((logprobs.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}))
@@ -109,6 +120,8 @@ def test_logprobs_and_gradients_equal_the_plain_forward(budget: int, temperature
     assert max(g.abs().max() for g in plain_grads.values()) > 1e-3
     for key, grad in plain_grads.items():
         torch.testing.assert_close(packed_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
+    if checkpointing:  # the layer ran in the forward, and again when the backward recomputed it
+        assert len(recomputed) == 2, recomputed
 
 
 def test_critic_values_and_final_hidden_states_equal_the_plain_forward(budget: int) -> None:
@@ -139,10 +152,6 @@ def test_models_packing_cannot_serve_exactly_take_the_plain_forward() -> None:
     assert not can_pack(scaled)
     plain, _ = response_logprobs(scaled, ids, mask, n, packed=False)
     torch.testing.assert_close(response_logprobs(scaled, ids, mask, n)[0], plain)
-
-    checkpointed = tiny_llama(seed=1)
-    checkpointed.gradient_checkpointing_enable()
-    assert not can_pack(checkpointed)
 
     config = tiny_llama_config()
     config.sliding_window = 4

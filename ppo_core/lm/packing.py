@@ -16,9 +16,10 @@ spread over packed rows of about `hidden_size` tokens each (see `pack_budget`), 
 own copy of the prefix.
 
 Only where it is exact: attention implementations that take a 4D additive mask (sdpa, eager),
-no sliding window, no gradient checkpointing, and an LM head that is a plain projection of the
-trunk's last hidden state (checked once per model on a 4-token input). Anything else takes the
-plain forward.
+no sliding window, and an LM head that is a plain projection of the trunk's last hidden state
+(checked once per model on a 4-token input). Anything else takes the plain forward. Gradient
+checkpointing keeps packing: a checkpointed layer is recomputed with the arguments of its first
+call, the block mask and positions included (tests/test_packing.py checks the gradients).
 """
 
 from __future__ import annotations
@@ -146,8 +147,6 @@ def can_pack(model: nn.Module) -> bool:
         t != "full_attention" for t in config.layer_types
     )):
         return False
-    if any(getattr(m, "gradient_checkpointing", False) is True for m in unwrap_peft(model).modules()):
-        return False  # checkpointed layers may rebuild their masks
     return not has_lm_head(model) or plain_head(model)
 
 
