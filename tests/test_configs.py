@@ -15,7 +15,10 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 
 def test_there_are_configs_to_check() -> None:
-    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "default.yaml", "gpu-hh.yaml"}
+    assert {p.name for p in CONFIGS} >= {"tiny.yaml", "default.yaml", "gpu-hh.yaml", "gpu-7b-lora.yaml"}
+
+
+HUB_MODELS = ("HuggingFaceTB/SmolLM2-360M-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct")
 
 
 def _cache_model(cache: Path, hub_id: str) -> None:
@@ -31,7 +34,8 @@ def _cache_model(cache: Path, hub_id: str) -> None:
 def test_shipped_config_validates(path: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("RLHF_TINY_DIR", str(tmp_path / "tiny"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    _cache_model(tmp_path / "hub", "HuggingFaceTB/SmolLM2-360M-Instruct")  # configs/gpu-hh.yaml's
+    for hub_id in HUB_MODELS:  # the GPU configs' models, as if downloaded
+        _cache_model(tmp_path / "hub", hub_id)
     cfg = load_config(path)
     assert cfg.ppo.effective_algo.total_iterations == cfg.ppo.rounds * cfg.ppo.iterations_per_round
 
@@ -139,3 +143,12 @@ def test_a_hub_model_that_cannot_be_loaded_is_a_config_error_naming_the_field(tm
         assert load_config(gpu).model.source == "HuggingFaceTB/SmolLM2-360M-Instruct"
     finally:
         server.shutdown()
+
+
+def test_the_7b_config_trains_adapters_sharded_over_a_node() -> None:
+    """README "Running a 1B-8B model" starts from this file: what it promises is what it sets."""
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu-7b-lora.yaml", check_files=False)
+    assert cfg.ppo.lora is not None and cfg.ppo.lora.target_modules == "all-linear"
+    assert (cfg.ppo.processes, cfg.ppo.sharding, cfg.ppo.algo.critic) == (8, "fsdp", "shared")
+    assert cfg.orchestration.device.gradient_checkpointing and cfg.orchestration.device.device == "cuda"
+    assert cfg.ppo.algo.batch_size % cfg.ppo.processes == 0
