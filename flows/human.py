@@ -40,7 +40,7 @@ def sample_pairs_for_labelling(
     train, _ = split_prompts(load_prompts(prompt_cfg), prompt_cfg.heldout_fraction)
     prompts = train[: source.n_prompts] if source.n_prompts else train
     tokenizer = load_tokenizer(reference.path)
-    policy = placement(device).place(load_causal_lm(reference.path))
+    policy = placement(device).freeze(load_causal_lm(reference.path))
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling, source.batch_size, 0
     )

@@ -96,7 +96,7 @@ def build_trainer(job: RoundJob, on_metrics: MetricsCallback | None, parallel: D
             add_adapters_in_place(critic.backbone, ppo.lora)
     else:
         ref_model = where.place(load_causal_lm(reference.path))
-    rm = where.place(RewardModel.from_pretrained(job.reward.path))  # scores every rollout: beside the policy
+    rm = where.freeze(RewardModel.from_pretrained(job.reward.path))  # scores every rollout: beside the policy
     texts = read_prompt_file(job.prefs.train_prompts_path)
     scorer = RewardScorer(rm, tokenizer, texts)
     prompt_ids = encode_prompts(tokenizer, texts, job.prompts)

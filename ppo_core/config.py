@@ -50,7 +50,10 @@ class DeviceConfig(StrictModel):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = CUDA when available, else CPU."""
-    bf16: bool = True
-    """bf16 autocast on CUDA (ignored on CPU, which trains in fp32)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: auto = bf16 where the device multiplies bf16 natively (Ampere+ GPUs,
+    CPUs with AMX or AVX512-BF16), else fp32 (ppo_core.lm.precision). Frozen models hold bf16
+    weights; trained ones compute in bf16 with fp32 master weights (the reward model) or under
+    CUDA autocast (the PPO policy and critic, for now)."""
     gradient_checkpointing: bool = False
     """Trade compute for activation memory on the policy and critic."""

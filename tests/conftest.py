@@ -102,7 +102,7 @@ def build_trainer(
         tiny_tokenizer(),
         score_fn or count_token_score(),
         prompts if prompts is not None else make_prompts(),
-        device=DeviceConfig(device="cpu", bf16=False),
+        device=DeviceConfig(device="cpu", precision="fp32"),
     )
 
 

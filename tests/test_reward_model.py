@@ -13,8 +13,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertModel, BertTokenizer, PreTrainedTokenizerFast
 
+from ppo_core.config import DeviceConfig
 from ppo_core.data.preferences import PreferenceRow
 from ppo_core.lm.models import transformer_blocks
+from ppo_core.lm.placement import resolve_placement
 from ppo_core.lm.rollout import Rollout, left_pad
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel, RewardScorer, scalar_head
@@ -130,17 +132,21 @@ def test_centering_term_and_schedule() -> None:
 # --- training -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "bert"])
-def test_tiny_rm_learns_separable_preferences(tmp_path: Path, kind: str) -> None:
+def test_tiny_rm_learns_separable_preferences(tmp_path: Path, kind: str, precision: str) -> None:
+    """In fp32, and in bf16 with fp32 master weights (ppo_core.lm.precision)."""
     backbone = llama_rm_dir(tmp_path) if kind == "llama" else bert_rm_dir(tmp_path)
     train, held_out = separable_rows(256, seed=0), separable_rows(100, seed=1)
     cfg = RewardModelConfig(
         backbone=str(backbone), learning_rate=3e-3, epochs=3, batch_size=16, device="cpu"
     )
     seen: list[tuple[int, dict]] = []
+    where = resolve_placement(DeviceConfig(device="cpu", precision=precision))
     rm, report = train_reward_model(
-        cfg, train, held_out, on_metrics=lambda s, m: seen.append((s, m)), gold_scorer=word_gold
+        cfg, train, held_out, on_metrics=lambda s, m: seen.append((s, m)), gold_scorer=word_gold, placement=where
     )
+    assert {p.dtype for p in rm.model.parameters()} == {where.dtype}
     assert report.eval_accuracy >= 0.9, report
     assert report.gold_agreement >= 0.9 and report.n_gold_pairs == 100  # every pair has gap 1
     assert report.seconds < 60
@@ -178,12 +184,14 @@ def test_trainable_layers_freezes_embeddings_and_lower_blocks_only(
         own = {id(p) for p in module.parameters()}
         return {n for n, p in rm.model.named_parameters() if id(p) in own}
 
-    moved = {n for n, p in rm.model.state_dict().items() if not torch.equal(p, before[n])}
+    # (frozen weights are only rounded to the compute precision: ppo_core.lm.precision)
+    moved = {n for n, p in rm.model.state_dict().items() if not torch.equal(p, before[n].to(p.dtype))}
     embeddings = {n for n in before if "embed" in n}
     assert embeddings and not moved & embeddings, "embeddings were trained"
     assert names(blocks[0]) and not moved & names(blocks[0]), "the lower block was trained"
     assert names(blocks[1]) <= moved, "the top block did not train"
-    assert names(scalar_head(rm.model)) <= moved, "the head did not train"
+    # the head's bias cancels in r_chosen - r_rejected: its Bradley-Terry gradient is exactly 0
+    assert {n for n in names(scalar_head(rm.model)) if n.endswith("weight")} <= moved, "the head did not train"
 
 
 # --- scoring ------------------------------------------------------------------------------------

@@ -93,8 +93,8 @@ def evaluate(
     texts = read_prompt_file(prefs.heldout_prompts_path)[: cfg.n_prompts]
     tokenizer = load_tokenizer(reference.path)
     ids = encode_prompts(tokenizer, texts, prompts)
-    ref_model = where.place(load_causal_lm(reference.path)).eval()
-    rm = where.place(RewardModel.from_pretrained(reward.path))
+    ref_model = where.freeze(load_causal_lm(reference.path))
+    rm = where.freeze(RewardModel.from_pretrained(reward.path))
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
     held = HeldOut(
         tokenizer, texts, ids, cfg.sampling, rm.score, gold,
@@ -107,7 +107,7 @@ def evaluate(
     chosen = policies if cfg.per_round else policies[-1:]
     for ckpt in chosen:
         log.info("evaluating round %d", ckpt.round)
-        policy = where.place(load_causal_lm(ckpt.path)).eval()
+        policy = where.freeze(load_causal_lm(ckpt.path))
         rounds[ckpt.round] = evaluate_policy(policy, ref_model, held, ref_responses=ref_sample)
         del policy
     report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)

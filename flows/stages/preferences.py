@@ -41,7 +41,7 @@ def _collect_rows(
         if path is None:
             raise ValueError("preferences.source: human labels were not collected (no label file)")
         return import_labels(path), {}, []
-    policy = placement(device).place(load_causal_lm(reference.path))
+    policy = placement(device).freeze(load_causal_lm(reference.path))
     prompts = train[: source.n_prompts] if source.n_prompts else train
     groups = sample_response_groups(
         policy, tokenizer, prompts, prompt_cfg, source.responses_per_prompt, source.sampling,

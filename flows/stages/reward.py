@@ -35,7 +35,7 @@ def _reference_samples(
     what normalisation is fitted on (lm-human-preferences), so the PPO policy starts at reward
     mean 0, std 1 on the distribution the RM will score."""
     tokenizer = load_tokenizer(reference.path)
-    policy = where.place(load_causal_lm(reference.path))
+    policy = where.freeze(load_causal_lm(reference.path))
     groups = sample_response_groups(policy, tokenizer, prompts, prompt_cfg, 1, sampling, 32, seed)
     return [p for p, _ in groups], [rs[0] for _, rs in groups]
 
@@ -60,7 +60,7 @@ def train_reward_model(
     gold = load_gold_scorer(gold_scorer) if gold_scorer else None
     final = stage_dir(work_dir, "train_reward_model", key) / "model"
     with stage_run(tracking, "train_reward_model") as run_id:
-        where = placement(DeviceConfig(device=cfg.device, bf16=device.bf16) if cfg.device else device)
+        where = placement(DeviceConfig(device=cfg.device, precision=device.precision) if cfg.device else device)
         rm, report = train_rm(
             cfg, train_rows, eval_rows, on_metrics=MetricLogger(run_id, tracking.uri), gold_scorer=gold, placement=where,
         )

@@ -17,23 +17,34 @@ from torch import nn
 
 from ppo_core.config import DeviceConfig
 from ppo_core.lm.models import pick_device
+from ppo_core.lm.precision import resolve_precision
 
 M = TypeVar("M", bound=nn.Module)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A device, and the autocast dtype used there (None: full precision)."""
+    """A device, the compute dtype there, and why that dtype (for logs and run records)."""
 
     device: torch.device
-    autocast_dtype: torch.dtype | None = None
+    dtype: torch.dtype = torch.float32
+    reason: str = ""
 
     def place(self, module: M) -> M:
-        """`module` on this placement's device (the same object, moved in place)."""
+        """A model that trains, on this device (the same object, moved in place; its weights stay
+        fp32: precision.MasterWeights or autocast give it the compute dtype)."""
         return module.to(self.device)
+
+    def freeze(self, module: M) -> M:
+        """A model that only runs forwards: on this device with compute-dtype weights, in eval
+        mode, without gradients."""
+        self.place(module).to(self.dtype).eval()
+        module.requires_grad_(False)
+        return module
 
 
 def resolve_placement(cfg: DeviceConfig) -> Placement:
-    """`auto` is CUDA when torch sees a GPU, else the CPU; bf16 autocast only on CUDA."""
+    """`auto` is CUDA when torch sees a GPU, else the CPU; the precision as precision.py resolves it."""
     device = pick_device(cfg.device)
-    return Placement(device, torch.bfloat16 if cfg.bf16 and device.type == "cuda" else None)
+    dtype, reason = resolve_precision(cfg.precision, device)
+    return Placement(device, dtype, reason)

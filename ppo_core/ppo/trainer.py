@@ -29,6 +29,7 @@ from ppo_core.lm.lora import load_trainable_state_dict, trainable_state_dict
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
+from ppo_core.lm.precision import resolve_precision
 from ppo_core.lm.rng import load_rng_state, rng_state
 from ppo_core.lm.rollout import Rollout, generate, left_pad
 from ppo_core.ppo.config import PPOConfig
@@ -146,7 +147,7 @@ class PPOTrainer:
         return max(0.0, 1.0 - iteration / self.config.total_iterations)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda" and self.device_config.bf16:
+        if self.device.type == "cuda" and resolve_precision(self.device_config.precision, self.device)[0] == torch.bfloat16:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

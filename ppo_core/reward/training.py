@@ -25,6 +25,7 @@ from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import reward_eval_prompts
 from ppo_core.lm.models import freeze_below_top_blocks
 from ppo_core.lm.placement import Placement, resolve_placement
+from ppo_core.lm.precision import MasterWeights
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
@@ -220,7 +221,8 @@ def train_reward_model(
     if cfg.trainable_layers is not None:
         freeze_below_top_blocks(rm.model, cfg.trainable_layers)
     rm.model.train()
-    trainable = [p for p in rm.model.parameters() if p.requires_grad]
+    weights = MasterWeights.cast(rm.model, placement.dtype)  # bf16 compute, fp32 masters (or plain fp32)
+    trainable = weights.master_params()
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     units = training_units(train_rows, cfg.group_by_prompt)
     per_step = cfg.prompts_per_step if cfg.group_by_prompt else cfg.batch_size
@@ -241,10 +243,12 @@ def train_reward_model(
                 loss = loss + cfg.center_coef * centering_loss(r_c, r_r)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            weights.accumulate_grads()
             if cfg.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
             metrics = _step_metrics(loss, r_c, r_r, scheduler.get_last_lr()[0])
             optimizer.step()
+            weights.publish()
             scheduler.step()
             step += 1
             losses.append(metrics["rm/loss"] * len(rows))

@@ -120,7 +120,7 @@ def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
         seed=0,
     )
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, temperature=0.7, top_k=0, top_p=1.0)
-    device = DeviceConfig(device=args.device, bf16=args.bf16)
+    device = DeviceConfig(device=args.device, precision=args.precision)
     holder: dict[str, LastTokenScorer] = {}
     trainer = PPOTrainer(
         config,
@@ -258,7 +258,7 @@ def report(result: dict[str, Any]) -> None:
     print(
         f"\nmodel={cfg['model']} device={result['device']} threads={result['threads']} batch={cfg['batch']} "
         f"new_tokens={cfg['new_tokens']} epochs={cfg['epochs']} minibatches={cfg['minibatches']} "
-        f"critic={cfg['critic']} bf16={cfg['bf16']}  (mean of iterations 2..{cfg['iterations']})"
+        f"critic={cfg['critic']} precision={cfg['precision']}  (mean of iterations 2..{cfg['iterations']})"
     )
     mem = (
         "peak MiB (+ over phase start)"
@@ -312,7 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no plain baselines: the process holds only what a training run holds (peer timing)",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
+                        help="orchestration.device.precision (ppo_core.lm.precision)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument(
         "--profile", action="store_true", help="split phases into forward/backward/optimizer"
