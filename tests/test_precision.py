@@ -86,3 +86,22 @@ def test_updates_below_bf16_resolution_accumulate_in_the_masters() -> None:
     assert naive.item() == 1.0
     torch.testing.assert_close(weights.master_params()[0].item(), 0.99, atol=1e-5, rtol=0)  # fp32 sum of 100 steps
     assert module.weight.item() == torch.tensor(0.99).to(torch.bfloat16).item() < 1.0
+
+
+def test_a_checkpoint_holds_the_fp32_masters_and_restores_them_exactly() -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    weights = MasterWeights.cast(module, torch.bfloat16)
+    with torch.no_grad():
+        for master in weights.master_params():
+            master.add_(1e-4)  # a step too small for bf16: only the masters know it
+    weights.publish()
+    state = weights.exact_state(module.state_dict(), module)
+    assert {v.dtype for v in state.values()} == {torch.float32}
+    assert all(torch.equal(state[k], m) for k, m in zip(dict(module.named_parameters()), weights.master_params(), strict=True))
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    restored = MasterWeights.cast(fresh, torch.bfloat16)
+    fresh.load_state_dict(state)
+    restored.load_exact_state(state, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(restored.master_params(), weights.master_params(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), module.parameters(), strict=True))

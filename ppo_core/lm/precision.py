@@ -98,3 +98,24 @@ class MasterWeights:
             return
         for param, master in zip(self.params, self.masters, strict=True):
             param.copy_(master)
+
+    def exact_state(self, state: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+        """`state` (a state dict of `module`, or part of one) with each trained weight replaced by
+        its fp32 master: what a checkpoint must hold for a resumed run to continue exactly."""
+        if not self.mixed:
+            return state
+        master_of = {id(p): m for p, m in zip(self.params, self.masters, strict=True)}
+        params = dict(module.named_parameters(remove_duplicate=False))
+        return {k: master_of[id(params[k])].detach() if k in params and id(params[k]) in master_of else v
+                for k, v in state.items()}
+
+    def load_exact_state(self, state: dict[str, torch.Tensor], module: nn.Module) -> None:
+        """Take back the masters from an `exact_state` (after the module loaded it) and publish them."""
+        if not self.mixed:
+            return
+        index = {id(p): i for i, p in enumerate(self.params)}
+        with torch.no_grad():
+            for name, param in module.named_parameters(remove_duplicate=False):
+                if name in state and id(param) in index:
+                    self.masters[index[id(param)]].copy_(state[name])
+        self.publish()
