@@ -7,7 +7,8 @@
 
 whose every rank runs the same `train_round`. Rank 0 alone logs metrics to the task's MLflow
 run, writes the in-round checkpoints and exports the policy, so the task reads the same
-outputs whichever way the round ran.
+outputs whichever way the round ran. With `ppo.sharding: fsdp` every rank writes its shards of
+each checkpoint (rank 0 publishes it), and the policy is gathered whole onto rank 0 to be exported.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ppo_core.lm.distributed import DataParallel, shutdown
 from ppo_core.lm.folders import replace_folder, temp_folder_for
 from ppo_core.lm.lora import add_adapters_in_place, add_policy_adapters
 from ppo_core.lm.models import load_causal_lm, load_tokenizer
+from ppo_core.lm.sharding import full_state_dict
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.ppo.trainer import PPOTrainer
 from ppo_core.ppo.value import CriticModel
@@ -94,6 +96,8 @@ def build_trainer(job: RoundJob, on_metrics: MetricsCallback | None, parallel: D
         policy = add_policy_adapters(policy, ppo.lora)
         if critic is not None:
             add_adapters_in_place(critic.backbone, ppo.lora)
+    elif ppo.sharding == "fsdp":  # frozen models stay whole on every rank (ppo_core.lm.sharding), in the compute dtype
+        ref_model = where.freeze(load_causal_lm(reference.path))
     else:
         ref_model = where.place(load_causal_lm(reference.path))
     rm = where.freeze(RewardModel.from_pretrained(job.reward.path))  # scores every rollout: beside the policy
@@ -126,12 +130,28 @@ def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
             kill_point(f"ppo_round_{job.round_number}:{local}")
 
 
-def _export_policy(trainer: PPOTrainer, folder: Path) -> None:
-    """Write the policy as a plain HF folder (LoRA merged: consumers need no peft), and a LoRA
-    policy's adapter alone beside it (folder/../adapter). Merging changes the trainer's policy
-    in place: call this last."""
+def _whole_policy(trainer: PPOTrainer, job: RoundJob) -> torch.nn.Module | None:
+    """The policy as one module on rank 0 (None on the others): the trainer's own, or under fsdp
+    a copy built as build_trainer builds it and loaded with the shards gathered onto rank 0 (a
+    collective: every rank calls this)."""
+    if not trainer.dp.sharded:
+        return trainer.policy if trainer.dp.is_main else None
+    state = full_state_dict(trainer.policy)  # {} on ranks > 0
+    if not trainer.dp.is_main:
+        return None
+    policy = load_causal_lm(job.reference.path)
+    if job.ppo.lora:
+        policy = add_policy_adapters(policy, job.ppo.lora)
+    policy.load_state_dict(state, strict=True)
+    return policy
+
+
+def _export_policy(trainer: PPOTrainer, folder: Path, policy: torch.nn.Module | None = None) -> None:
+    """Write the policy (the trainer's, or `policy`) as a plain HF folder (LoRA merged: consumers
+    need no peft), and a LoRA policy's adapter alone beside it (folder/../adapter). Merging
+    changes the policy in place: call this last."""
     tmp = temp_folder_for(folder)
-    policy = trainer.policy
+    policy = trainer.policy if policy is None else policy
     if hasattr(policy, "merge_and_unload"):
         adapter = temp_folder_for(folder.parent / ADAPTER)
         policy.save_pretrained(adapter)
@@ -155,9 +175,10 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
         trainer.load(job.previous_state)
     _run_iterations(trainer, job)
     out = RoundOutput(iteration=trainer.iteration, history=metric_logger.history, samples=trainer.sample_table(8))
+    policy = _whole_policy(trainer, job)
     if dp.is_main:
         folder = Path(job.folder)
-        _export_policy(trainer, folder / "policy")
+        _export_policy(trainer, folder / "policy", policy)
         # history is empty when the round resumed from its own final checkpoint
         (folder / "history.json").write_text(json.dumps(out.history))
         (folder / "samples.json").write_text(json.dumps(out.samples))
@@ -171,7 +192,7 @@ def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOut
 def main(argv: list[str]) -> int:
     """torchrun entry point: every rank trains the round described by the job file."""
     job = RoundJob.model_validate_json(Path(argv[0]).read_text())
-    parallel = DataParallel.from_env()
+    parallel = DataParallel.from_env(sharding=job.ppo.sharding)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     try:
         train_round(job, parallel)

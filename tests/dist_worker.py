@@ -40,6 +40,20 @@ CONFIG = PPOConfig(
 )
 
 
+# the metrics a data-parallel run must reproduce (to float rounding: tests/test_distributed.py)
+EXACT_KEYS = (
+    "objective/scores",
+    "objective/kl",
+    "objective/kl_coef",
+    "loss/policy",
+    "loss/value",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "optim/grad_norm_policy",
+    "optim/grad_norm_critic",
+)
+
+
 def varied_score(rollout: Rollout) -> torch.Tensor:
     """Tokens divisible by 3 count +1, length costs 0.3 per token: every row scores differently."""
     mask = rollout.response_mask.float()
@@ -104,10 +118,13 @@ def lora_policy() -> nn.Module:
     return get_peft_model(tiny_llama(seed=0), lora)
 
 
-def build(parallel: DataParallel | None = None, critic: str = "separate") -> FixedResponseTrainer:
+def build(
+    parallel: DataParallel | None = None, critic: str = "separate", cls: type[PPOTrainer] = FixedResponseTrainer
+) -> PPOTrainer:
+    """The tiny trainer; `cls=PPOTrainer` samples its responses instead (tests/fsdp_worker.py)."""
     shared = critic == "shared"
     policy = lora_policy() if shared else tiny_llama(seed=0)
-    return FixedResponseTrainer(
+    return cls(
         CONFIG.model_copy(update={"critic": critic}),
         SamplingConfig(max_new_tokens=6),
         policy,

@@ -22,17 +22,7 @@ pytest_plugins = ["tests.pipeline_fixtures"]
 
 REPO = Path(__file__).resolve().parents[1]
 ITERATIONS = 3
-EXACT_KEYS = (
-    "objective/scores",
-    "objective/kl",
-    "objective/kl_coef",
-    "loss/policy",
-    "loss/value",
-    "policy/approxkl",
-    "policy/clipfrac",
-    "optim/grad_norm_policy",
-    "optim/grad_norm_critic",
-)
+EXACT_KEYS = dist_worker.EXACT_KEYS
 
 
 def torchrun(processes: int, *args: str) -> subprocess.CompletedProcess:

@@ -24,6 +24,8 @@ This module knows files only; what a state holds is its owner's business (PPOTra
         KEY.json           an entry that JSON round-trips exactly (numbers, strings, lists, dicts)
         KEY.pt             anything else (optimizer states, RNG states, tuples): torch.save,
                            read back with weights_only=True, so loading executes no code
+        dcp/               a sharded checkpoint's model and optimizer shards, listed in the
+                           manifest like any file (ppo_core.lm.dcp_checkpoint writes and reads them)
       .NAME.tmp-*          a checkpoint being written (deleted on failure, renamed on success;
                            one a killed writer left is removed by folders.remove_debris)
 
@@ -82,22 +84,31 @@ def checkpoint_name(iteration: int) -> str:
 def write_checkpoint(root: str | Path, name: str, state: Mapping[str, Any], keep_last: int | None = 2) -> Path:
     """Write `state` as root/name (layout in the module docstring), atomically, point `latest`
     at it and keep the newest `keep_last` checkpoints. Raises CheckpointWriteError."""
+    check_entry_names(state)
+    start = time.perf_counter()
+    with atomic_checkpoint(root, name, keep_last) as tmp:
+        write_entries(tmp, state)
+    final = Path(root) / name
+    log.info("checkpoint %s: %.1f MB in %.1f s", final, _folder_bytes(final) / 1e6, time.perf_counter() - start)
+    return final
+
+
+def check_entry_names(state: Mapping[str, Any]) -> None:
     reserved = Path(MANIFEST).stem
     bad = [key for key in state if not (isinstance(key, str) and _KEY.fullmatch(key)) or key == reserved]
     if bad:
         raise ValueError(f"checkpoint entry names must match {_KEY.pattern} and not be {reserved}: {bad}")
-    start = time.perf_counter()
-    with atomic_checkpoint(root, name, keep_last) as tmp:
-        for key, value in state.items():
-            if _is_tensor_map(value):
-                save_tensors(tmp / f"{key}.safetensors", value)
-            elif _json_round_trips(value):
-                save_json(tmp / f"{key}.json", value)
-            else:
-                save_state(tmp / f"{key}.pt", value)
-    final = Path(root) / name
-    log.info("checkpoint %s: %.1f MB in %.1f s", final, _folder_bytes(final) / 1e6, time.perf_counter() - start)
-    return final
+
+
+def write_entries(folder: Path, state: Mapping[str, Any]) -> None:
+    """One file per top-level entry, its format chosen by its value (module docstring)."""
+    for key, value in state.items():
+        if _is_tensor_map(value):
+            save_tensors(folder / f"{key}.safetensors", value)
+        elif _json_round_trips(value):
+            save_json(folder / f"{key}.json", value)
+        else:
+            save_state(folder / f"{key}.pt", value)
 
 
 def read_checkpoint(folder_or_root: str | Path, device: torch.device | str = "cpu") -> Checkpoint | None:

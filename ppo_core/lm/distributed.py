@@ -44,6 +44,10 @@ while the backward is still running, with these choices:
 
 Ranks therefore hold identical weights and optimiser states after every step; only rank 0
 writes checkpoints and logs.
+
+`DataParallel.sharding == "fsdp"` keeps everything above but the replicas: the policy and the
+value module are sharded over the ranks with FSDP2 instead of wrapped in DDP (ppo_core.lm.sharding,
+whose `ShardedTraining` takes GradientSync's place; its checkpoints: ppo_core.lm.dcp_checkpoint).
 """
 
 from __future__ import annotations
@@ -67,11 +71,13 @@ class DataParallel:
 
     rank: int = 0
     world_size: int = 1
+    sharding: str = "none"
+    """`none`: every rank holds the whole models (DDP); `fsdp`: the trained ones are sharded."""
 
     @classmethod
-    def from_env(cls, timeout_s: float = 1800.0) -> DataParallel:
+    def from_env(cls, timeout_s: float = 1800.0, sharding: str = "none") -> DataParallel:
         """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...): NCCL on
-        GPUs, gloo on CPU. Without those variables: one process, no group."""
+        GPUs, gloo on CPU. Without those variables: one process, no group (and no sharding)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
@@ -80,7 +86,11 @@ class DataParallel:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-        return cls(dist.get_rank(), dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), sharding)
+
+    @property
+    def sharded(self) -> bool:
+        return self.enabled and self.sharding == "fsdp"
 
     @property
     def enabled(self) -> bool:
@@ -121,6 +131,14 @@ class DataParallel:
             out = out.cuda()  # NCCL reduces GPU tensors only (metric dicts are built on the CPU)
         dist.all_reduce(out)
         return out.to(tensor.device)
+
+    def max_int(self, value: int) -> int:
+        """The largest of the ranks' values."""
+        if not self.enabled:
+            return value
+        out = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return int(out.item())
 
     def sum_floats(self, stats: dict[str, float]) -> dict[str, float]:
         """Sum each value over ranks; every rank must pass the same keys."""
@@ -192,6 +210,10 @@ class GradientSync:
             last = i == len(chunks) - 1
             with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
                 yield chunk, weight
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """Whole weights for generation and scoring: every rank already holds them."""
+        return contextlib.nullcontext()
 
 
 def shutdown() -> None:

@@ -22,16 +22,15 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, SamplingConfig
-from ppo_core.lm.checkpoint import checkpoint_name, read_checkpoint, write_checkpoint
-from ppo_core.lm.distributed import DataParallel, GradientSync
+from ppo_core.lm.distributed import DataParallel
 from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
-from ppo_core.lm.lora import load_trainable_state_dict, trainable_state_dict
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
 from ppo_core.lm.precision import resolve_precision
-from ppo_core.lm.rng import load_rng_state, rng_state
 from ppo_core.lm.rollout import Rollout, generate, left_pad
+from ppo_core.lm.sharding import gradient_sync
+from ppo_core.ppo import checkpointing
 from ppo_core.ppo.config import PPOConfig
 from ppo_core.ppo.experience import (
     Experience,
@@ -106,12 +105,14 @@ class PPOTrainer:
         self.stop_ids = stop_token_ids(tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
         self.kl_ctl = make_kl_controller(config.kl.init_coef, config.kl.target, config.kl.horizon)
+        # DDP (broadcasts rank 0's weights) or FSDP2 (shards them: before the optimizers see them)
+        bf16 = self.device.type == "cuda" and resolve_precision(self.device_config.precision, self.device)[0] == torch.bfloat16
+        self.grad_sync = gradient_sync(self.dp, (self.policy, self.value_module), self.device, bf16)
         self.optimizers = self._make_optimizers()
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda) for opt in self.optimizers]
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
         self.iteration = 0
         self.consecutive_skips = 0
-        self.grad_sync = GradientSync(self.dp, (self.policy, self.value_module))  # broadcasts rank 0's weights
         self._seed_rank()
         self.last_experience: Experience | None = None
 
@@ -193,7 +194,7 @@ class PPOTrainer:
     def _rollout(self) -> Rollout:
         indices = self.dp.local_slice(self.sampler.batch(self.iteration))
         query_ids, query_mask = left_pad([self.prompts[i] for i in indices], self.pad_id)
-        with self._autocast():
+        with self._autocast(), self.grad_sync.gathered():  # fsdp: whole weights while generating
             rollout = generate(
                 self.policy, query_ids, query_mask, self.sampling, self.stop_ids, self.pad_id,
                 want_logprobs=self.config.logprobs_from_generation, chunk_size=self.config.logprob_chunk_size,
@@ -207,20 +208,21 @@ class PPOTrainer:
         old, ref, values = [], [], []
         ref_model, ref_ctx = self._reference()
         packed = cfg.pack_sequences
-        for rows in in_chunks(rollout.query_ids.shape[0], cfg.effective_micro_batch_size):
-            part = rollout.select(rows)
-            ids, am, n = part.input_ids, part.attention_mask, part.response_len
-            with self._autocast():
-                hidden = None
-                if part.logprobs is None or self.shared_head is not None:
-                    policy_out = self._policy_forward(ids, am, n)
-                    hidden = policy_out.hidden
-                    old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
-                else:
-                    old.append(part.logprobs)
-                with ref_ctx():
-                    ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
-                values.append(self._values(ids, am, n, hidden))
+        with self.grad_sync.gathered():  # fsdp: whole weights for the whole scoring pass
+            for rows in in_chunks(rollout.query_ids.shape[0], cfg.effective_micro_batch_size):
+                part = rollout.select(rows)
+                ids, am, n = part.input_ids, part.attention_mask, part.response_len
+                with self._autocast():
+                    hidden = None
+                    if part.logprobs is None or self.shared_head is not None:
+                        policy_out = self._policy_forward(ids, am, n)
+                        hidden = policy_out.hidden
+                        old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
+                    else:
+                        old.append(part.logprobs)
+                    with ref_ctx():
+                        ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
+                    values.append(self._values(ids, am, n, hidden))
         mask = rollout.response_mask.float()
         return compute_advantages(
             cfg, rollout, raw_scores, torch.cat(old) * mask, torch.cat(ref) * mask,
@@ -351,47 +353,22 @@ class PPOTrainer:
         return history
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit for bit, one entry per checkpoint file.
-        As with nn.Module.state_dict the tensors are the live ones: deepcopy for a snapshot."""
-        return {
-            # what trains: whole models, or a LoRA policy's adapters (ppo_core.lm.lora)
-            "policy": trainable_state_dict(self.policy),
-            "value": trainable_state_dict(self.value_module),  # the critic, or the shared value head
-            "optim": {"optimizers": [opt.state_dict() for opt in self.optimizers],
-                      "schedulers": [sched.state_dict() for sched in self.schedulers]},
-            "rng": rng_state(self.shuffle_gen),
-            "trainer": {"iteration": self.iteration, "consecutive_skips": self.consecutive_skips,
-                        "kl_controller": self.kl_ctl.state_dict()},
-        }
+        """Everything a resumed run needs to continue bit for bit, one entry per checkpoint file
+        (ppo_core.ppo.checkpointing). As with nn.Module.state_dict the tensors are the live ones:
+        deepcopy for a snapshot. A sharded trainer's are its shards: checkpoint it with `save`."""
+        return checkpointing.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`; with data parallelism every rank then reseeds its sampling
-        (the state holds rank 0's RNG, which the other ranks must not replay)."""
-        load_trainable_state_dict(self.policy, state["policy"])
-        load_trainable_state_dict(self.value_module, state["value"])
-        for opt, opt_state in zip(self.optimizers, state["optim"]["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
-        for sched, sched_state in zip(self.schedulers, state["optim"]["schedulers"], strict=True):
-            sched.load_state_dict(sched_state)
-        load_rng_state(state["rng"], self.shuffle_gen)
-        meta = state["trainer"]
-        self.iteration, self.consecutive_skips = int(meta["iteration"]), int(meta["consecutive_skips"])
-        self.kl_ctl.load_state_dict(meta["kl_controller"])
-        self._seed_rank()
+        """Restore a `state_dict()` (of a trainer in one process or DDP: whole tensors); with data
+        parallelism every rank then reseeds its sampling (the state holds rank 0's RNG)."""
+        checkpointing.load_state_dict(self, state)
 
     def save(self, root: str | Path) -> Path:
-        """Atomically checkpoint `state_dict()` as root/iter-NNNNNN (ppo_core.lm.checkpoint); with
-        data parallelism rank 0 writes (ranks hold identical states) and the others wait."""
-        name = checkpoint_name(self.iteration)
-        if self.dp.is_main:
-            write_checkpoint(root, name, self.state_dict())
-        self.dp.barrier()
-        return Path(root) / name
+        """Atomically checkpoint as root/iter-NNNNNN (ppo_core.ppo.checkpointing): rank 0 writes
+        the replicas' state, or every rank its shards under `ppo.sharding: fsdp`."""
+        return checkpointing.save(self, root)
 
     def load(self, root_or_folder: str | Path) -> Path | None:
         """Restore from a checkpoint folder or a root (its `latest`, else its newest intact
-        checkpoint: read_checkpoint); returns the folder loaded, None when there is none."""
-        found = read_checkpoint(root_or_folder, self.device)
-        if found is not None:
-            self.load_state_dict(found.state)
-        return None if found is None else found.folder
+        checkpoint), plain or sharded; returns the folder loaded, None when there is none."""
+        return checkpointing.load(self, root_or_folder)
