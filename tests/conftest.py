@@ -74,6 +74,7 @@ def build_trainer(
     score_fn: Callable[[Rollout], torch.Tensor] | None = None,
     prompts: list[list[int]] | None = None,
     seed: int = 0,
+    precision: str = "fp32",
     **config_overrides: Any,
 ) -> PPOTrainer:
     """A PPOTrainer over tiny Llamas: policy and reference share their init, the critic copies
@@ -102,7 +103,7 @@ def build_trainer(
         tiny_tokenizer(),
         score_fn or count_token_score(),
         prompts if prompts is not None else make_prompts(),
-        device=DeviceConfig(device="cpu", precision="fp32"),
+        device=DeviceConfig(device="cpu", precision=precision),
     )
 
 

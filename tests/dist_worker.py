@@ -133,7 +133,7 @@ def build(
         tiny_tokenizer(),
         varied_score,
         make_prompts(24),
-        device=DeviceConfig(gradient_checkpointing=shared),
+        device=DeviceConfig(precision="fp32", gradient_checkpointing=shared),  # exact comparisons
         parallel=parallel,
     )
 

@@ -31,7 +31,7 @@ def comparable(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith(VOLATILE)}
 
 
-def make_resume_trainer(critic: str = "separate") -> PPOTrainer:
+def make_resume_trainer(critic: str = "separate", precision: str = "fp32") -> PPOTrainer:
     """Adaptive KL and a linear LR schedule, so a resume that lost their state would drift."""
     return build_trainer(
         sampling=SamplingConfig(max_new_tokens=6),
@@ -44,6 +44,7 @@ def make_resume_trainer(critic: str = "separate") -> PPOTrainer:
         kl=KLConfig(init_coef=0.1, target=0.5, horizon=50),
         seed=7,
         critic=critic,
+        precision=precision,
     )
 
 

@@ -161,16 +161,19 @@ def test_keep_last_prunes_old_checkpoints_and_empty_root_loads_nothing(tmp_path:
     prune_checkpoints(tmp_path / "empty", keep_last=1)  # no checkpoints: nothing to do
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("critic", ["separate", "shared"])
-def test_state_dict_into_a_fresh_trainer_takes_the_same_next_step(critic: str) -> None:
-    trainer = make_resume_trainer(critic=critic)
+def test_state_dict_into_a_fresh_trainer_takes_the_same_next_step(critic: str, precision: str) -> None:
+    """bf16: the snapshot holds the fp32 masters (ppo_core.lm.precision), so the fresh trainer's
+    bf16 weights and masters are those of the running one, and it continues bit for bit."""
+    trainer = make_resume_trainer(critic=critic, precision=precision)
     trainer.train(1)
     snapshot = copy.deepcopy(trainer.state_dict())  # live tensors, as nn.Module.state_dict's
     # two steps: the LR schedule's restored position only shows in the second step's LR
     expected = [comparable(trainer.step()) for _ in range(2)]
     expected_weights = {**policy_state(trainer), **_value_state(trainer)}
 
-    fresh = make_resume_trainer(critic=critic)
+    fresh = make_resume_trainer(critic=critic, precision=precision)
     # what the snapshot must restore differs in a fresh trainer
     assert fresh.iteration == 0 and fresh.kl_ctl.value != snapshot["trainer"]["kl_controller"]["value"]
     assert not fresh.optimizers[0].state and fresh.optimizers[0].param_groups[0]["lr"] != expected[0]["lr"]

@@ -264,7 +264,7 @@ def test_lora_policy_uses_the_adapter_disabled_base_as_reference() -> None:
         tiny_tokenizer(),
         count_token_score(TARGET_TOKEN),
         make_prompts(),
-        device=DeviceConfig(device="cpu"),
+        device=DeviceConfig(device="cpu", precision="fp32"),  # exact comparison below
     )
     exp = _experience(trainer)
     reference = tiny_llama(seed=0)  # the same weights as the base before wrapping

@@ -41,6 +41,11 @@ def _parts(trainer: PPOTrainer) -> list[tuple[str, nn.Module, Any]]:
     return list(zip(PARTS, (trainer.policy, trainer.value_module), trainer.optimizers, strict=True))
 
 
+def _weights(trainer: PPOTrainer) -> list[tuple[Any, nn.Module]]:
+    """(MasterWeights, module) of the policy and the value module."""
+    return list(zip(trainer.weights, (trainer.policy, trainer.value_module), strict=True))
+
+
 def _all_trainable(module: nn.Module) -> bool:
     return all(p.requires_grad for p in module.parameters())
 
@@ -60,10 +65,12 @@ def _load_meta(trainer: PPOTrainer, meta: dict[str, Any], schedulers: list[dict]
 # ---- plain ----------------------------------------------------------------------------
 def state_dict(trainer: PPOTrainer) -> dict[str, Any]:
     """PPOTrainer.state_dict: the plain layout's entries (live tensors)."""
+    policy, value = (w.exact_state(trainable_state_dict(m), m) for w, m in _weights(trainer))
     return {
-        # what trains: whole models, or a LoRA policy's adapters (ppo_core.lm.lora)
-        "policy": trainable_state_dict(trainer.policy),
-        "value": trainable_state_dict(trainer.value_module),  # the critic, or the shared value head
+        # what trains: whole models, or a LoRA policy's adapters (ppo_core.lm.lora); with bf16
+        # compute, their fp32 masters (ppo_core.lm.precision), so a resume continues exactly
+        "policy": policy,
+        "value": value,  # the critic, or the shared value head
         "optim": {"optimizers": [opt.state_dict() for opt in trainer.optimizers],
                   "schedulers": [sched.state_dict() for sched in trainer.schedulers]},
         "rng": rng_state(trainer.shuffle_gen),
@@ -77,8 +84,9 @@ def load_state_dict(trainer: PPOTrainer, state: dict[str, Any]) -> None:
     if trainer.dp.sharded:
         _load_plain_into_sharded(trainer, state)
     else:
-        load_trainable_state_dict(trainer.policy, state["policy"])
-        load_trainable_state_dict(trainer.value_module, state["value"])
+        for (weights, module), key in zip(_weights(trainer), PARTS, strict=True):
+            load_trainable_state_dict(module, state[key])
+            weights.load_exact_state(state[key], module)
         for opt, opt_state in zip(trainer.optimizers, state["optim"]["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
     load_rng_state(state["rng"], trainer.shuffle_gen)

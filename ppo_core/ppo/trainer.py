@@ -27,7 +27,7 @@ from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_l
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
-from ppo_core.lm.precision import resolve_precision
+from ppo_core.lm.precision import MasterWeights, resolve_precision
 from ppo_core.lm.rollout import Rollout, generate, left_pad
 from ppo_core.lm.sharding import gradient_sync
 from ppo_core.ppo import checkpointing
@@ -105,9 +105,7 @@ class PPOTrainer:
         self.stop_ids = stop_token_ids(tokenizer, sampling.stop_token_ids)
         self.pad_id = int(tokenizer.pad_token_id)
         self.kl_ctl = make_kl_controller(config.kl.init_coef, config.kl.target, config.kl.horizon)
-        # DDP (broadcasts rank 0's weights) or FSDP2 (shards them: before the optimizers see them)
-        bf16 = self.device.type == "cuda" and resolve_precision(self.device_config.precision, self.device)[0] == torch.bfloat16
-        self.grad_sync = gradient_sync(self.dp, (self.policy, self.value_module), self.device, bf16)
+        self._set_precision_and_sync()
         self.optimizers = self._make_optimizers()
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, self._lr_lambda) for opt in self.optimizers]
         self.shuffle_gen = torch.Generator().manual_seed(config.seed + 1)
@@ -125,16 +123,33 @@ class PPOTrainer:
         """The module that holds the value weights: the separate critic, else the shared head."""
         return self.critic if self.critic is not None else self.shared_head
 
+    def _set_precision_and_sync(self) -> None:
+        """bf16 (ppo_core.lm.precision): the reference holds bf16 weights, the policy and the
+        value module compute with bf16 weights refreshed from fp32 masters once per step (cast
+        before DDP wraps them); with fp32 the masters are the parameters themselves. FSDP2 keeps
+        fp32 shards and applies its own mixed-precision policy (bf16 compute on CUDA). Then DDP
+        (broadcasts rank 0's weights) or FSDP2 (shards them, before the optimizers see them)."""
+        self.compute_dtype, self.precision_reason = resolve_precision(self.device_config.precision, self.device)
+        if self.ref_model is not None:
+            self.ref_model.to(self.compute_dtype)
+        trained = (self.policy, self.value_module)
+        if not self.dp.sharded:
+            self.weights = [MasterWeights.cast(m, self.compute_dtype) for m in trained]
+        fsdp_bf16 = self.device.type == "cuda" and self.compute_dtype == torch.bfloat16
+        self.grad_sync = gradient_sync(self.dp, trained, self.device, fsdp_bf16)
+        if self.dp.sharded:  # the sharded parameters, fp32: a pass-through
+            self.weights = [MasterWeights(m.parameters()) for m in trained]
+
     def _make_optimizers(self) -> list[torch.optim.Optimizer]:
         cfg = self.config
-        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        policy_params, value_params = (w.master_params() for w in self.weights)
         critic_lr = cfg.critic_learning_rate or cfg.learning_rate
         # fused: one kernel per step on CPU and CUDA, the same update as the default for-loop
         # AdamW (timings in tests/bench/README.md)
         kwargs = {"eps": cfg.adam_eps, "weight_decay": cfg.weight_decay, "fused": True}
         return [
             torch.optim.AdamW(policy_params, lr=cfg.learning_rate, **kwargs),
-            torch.optim.AdamW([p for p in self.value_module.parameters() if p.requires_grad], lr=critic_lr, **kwargs),
+            torch.optim.AdamW(value_params, lr=critic_lr, **kwargs),
         ]
 
     def _seed_rank(self) -> None:
@@ -147,10 +162,6 @@ class PPOTrainer:
             return 1.0
         return max(0.0, 1.0 - iteration / self.config.total_iterations)
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.device.type == "cuda" and resolve_precision(self.device_config.precision, self.device)[0] == torch.bfloat16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _reference(self) -> tuple[nn.Module, Callable[[], contextlib.AbstractContextManager]]:
         """The reference model and a factory of the context to run it in: peft's
@@ -194,7 +205,7 @@ class PPOTrainer:
     def _rollout(self) -> Rollout:
         indices = self.dp.local_slice(self.sampler.batch(self.iteration))
         query_ids, query_mask = left_pad([self.prompts[i] for i in indices], self.pad_id)
-        with self._autocast(), self.grad_sync.gathered():  # fsdp: whole weights while generating
+        with self.grad_sync.gathered():  # fsdp: whole weights while generating
             rollout = generate(
                 self.policy, query_ids, query_mask, self.sampling, self.stop_ids, self.pad_id,
                 want_logprobs=self.config.logprobs_from_generation, chunk_size=self.config.logprob_chunk_size,
@@ -212,17 +223,16 @@ class PPOTrainer:
             for rows in in_chunks(rollout.query_ids.shape[0], cfg.effective_micro_batch_size):
                 part = rollout.select(rows)
                 ids, am, n = part.input_ids, part.attention_mask, part.response_len
-                with self._autocast():
-                    hidden = None
-                    if part.logprobs is None or self.shared_head is not None:
-                        policy_out = self._policy_forward(ids, am, n)
-                        hidden = policy_out.hidden
-                        old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
-                    else:
-                        old.append(part.logprobs)
-                    with ref_ctx():
-                        ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
-                    values.append(self._values(ids, am, n, hidden))
+                hidden = None
+                if part.logprobs is None or self.shared_head is not None:
+                    policy_out = self._policy_forward(ids, am, n)
+                    hidden = policy_out.hidden
+                    old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
+                else:
+                    old.append(part.logprobs)
+                with ref_ctx():
+                    ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
+                values.append(self._values(ids, am, n, hidden))
         mask = rollout.response_mask.float()
         return compute_advantages(
             cfg, rollout, raw_scores, torch.cat(old) * mask, torch.cat(ref) * mask,
@@ -281,11 +291,14 @@ class PPOTrainer:
             micro = self._micro_step(exp.select(chunk), n_tokens, weight)
             acc.add(micro if weight else {})
         stats = self.dp.sum_floats(dict.fromkeys(MICRO_STEP_KEYS, 0.0) | acc.sums())
+        for weights in self.weights:  # bf16: the reduced gradients move to the fp32 masters
+            weights.accumulate_grads()
         norms = self._clip_gradients()
         finite = all(math.isfinite(v) for v in (*norms, stats["loss/total"]))
         if finite:
-            for opt in self.optimizers:
+            for opt, weights in zip(self.optimizers, self.weights, strict=True):
                 opt.step()
+                weights.publish()
             self.consecutive_skips = 0
         else:
             self.consecutive_skips += 1
@@ -315,8 +328,7 @@ class PPOTrainer:
         the whole minibatch."""
         cfg, mask = self.config, mb.mask
         ids, am, n = mb.rollout.input_ids, mb.rollout.attention_mask, mb.rollout.response_len
-        with self._autocast():
-            policy_out, values = self.grad_sync(self._train_forward, ids, am, n)
+        policy_out, values = self.grad_sync(self._train_forward, ids, am, n)
         logprobs = policy_out.logprobs
         pg_loss, pg = clipped_surrogate_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.cliprange, n_tokens)
         vf_loss, vf = clipped_value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value, n_tokens)
