@@ -47,11 +47,63 @@ def _load(config: Path, overrides: list[str] | None) -> Any:
         raise typer.Exit(2) from None
 
 
+def _memory_plan(cfg: Any, prompt_tokens: int | None, cuda: bool) -> tuple[Any, str]:
+    """The PPO round's estimated peak per device (ppo_core.ppo.memory), from weightless skeletons
+    and the dtypes the round gives the models: the frozen ones in the compute precision, the
+    trained ones too (bf16 weights with fp32 masters), but sharded they stay fp32 on the CPU."""
+    import torch
+
+    from ppo_core.lm.models import model_skeleton
+    from ppo_core.lm.precision import resolve_precision
+    from ppo_core.ppo.memory import estimate_ppo_memory, prompt_tokens_of, reward_skeletons
+
+    how = "--prompt-tokens"
+    if prompt_tokens is None:
+        prompt_tokens, how = prompt_tokens_of(cfg.prompts)
+    ppo, device = cfg.ppo, cfg.orchestration.device
+    try:
+        bf16 = resolve_precision(device.precision, torch.device("cuda" if cuda else "cpu"))[0] == torch.bfloat16
+    except ValueError:  # bf16 asked of a GPU without it: the round says so; estimate fp32
+        bf16 = False
+    fsdp = ppo.sharding == "fsdp"
+    reward, backbone = reward_skeletons(cfg.reward_model.backbone, cfg.reward_model.trust_remote_code)
+    estimate = estimate_ppo_memory(
+        model_skeleton(cfg.reference_source, cfg.model.trust_remote_code), reward, ppo.effective_algo,
+        ppo.sampling, prompt_tokens, lora=ppo.lora, processes=ppo.processes, shards=ppo.processes if fsdp else 1,
+        critic_backbone=backbone if ppo.critic_init == "reward_model" else None,
+        frozen_dtype_bytes=2 if bf16 else 4, compute_dtype_bytes=2 if bf16 and (cuda or not fsdp) else 4,
+        gradient_checkpointing=device.gradient_checkpointing,
+    )
+    return estimate, f"prompt <= {prompt_tokens} tokens ({how}) + {ppo.sampling.max_new_tokens} new"
+
+
 @app.command()
-def validate(config: Path, set_: list[str] = typer.Option(None, "--set", help=SET_HELP)) -> None:
-    """Check a pipeline config without loading any model."""
+def validate(
+    config: Path,
+    set_: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    prompt_tokens: int = typer.Option(None, "--prompt-tokens", min=1, help="Longest prompt in tokens, for the memory estimate."),
+) -> None:
+    """Check a pipeline config without loading any model, and estimate a PPO round's peak memory."""
     cfg = _load(config, set_)
     typer.echo(f"{config}: OK (pipeline {cfg.name!r}, {cfg.ppo.rounds} PPO rounds x {cfg.ppo.iterations_per_round} iterations)")
+    import torch
+
+    from ppo_core.ppo.memory import format_bytes, format_estimate
+
+    cuda = torch.cuda.is_available() and cfg.orchestration.device.device != "cpu"
+    try:
+        estimate, prompt = _memory_plan(cfg, prompt_tokens, cuda)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:  # a model transformers cannot build empty
+        typer.echo(f"memory estimate: not available ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        return
+    typer.echo(f"estimated peak per device for a PPO round ({'CUDA' if cuda else 'CPU'}, {prompt}):")
+    typer.echo(format_estimate(estimate))
+    available = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    if available is not None and estimate.total > available:
+        typer.echo(f"error: ppo: the estimated peak of {format_bytes(estimate.total)} per device exceeds the GPU's "
+                   f"{format_bytes(available)}; change ppo.algo.micro_batch_size, "
+                   "orchestration.device.gradient_checkpointing, ppo.lora or ppo.processes (with ppo.sharding: fsdp)", err=True)
+        raise typer.Exit(2)
 
 
 def _print_result(result: dict[str, Any]) -> None:
