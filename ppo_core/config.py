@@ -53,7 +53,7 @@ class DeviceConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: auto = bf16 where the device multiplies bf16 natively (Ampere+ GPUs,
     CPUs with AMX or AVX512-BF16), else fp32 (ppo_core.lm.precision). Frozen models hold bf16
-    weights; trained ones compute in bf16 with fp32 master weights (the reward model) or under
-    CUDA autocast (the PPO policy and critic, for now)."""
+    weights; trained ones compute with bf16 weights and fp32 master weights and optimizer state
+    (under FSDP2: its mixed-precision policy on CUDA, fp32 on CPU)."""
     gradient_checkpointing: bool = False
     """Trade compute for activation memory on the policy and critic."""

@@ -32,7 +32,7 @@ class Placement:
 
     def place(self, module: M) -> M:
         """A model that trains, on this device (the same object, moved in place; its weights stay
-        fp32: precision.MasterWeights or autocast give it the compute dtype)."""
+        fp32: precision.MasterWeights, or FSDP2's mixed-precision policy, give it the compute dtype)."""
         return module.to(self.device)
 
     def freeze(self, module: M) -> M:

@@ -36,7 +36,7 @@ sharded on dim 0); a block's whole weights exist only while it runs. The choices
   would otherwise follow forward orders that differ between ranks). Peak memory is then the whole
   weights, as with DDP or with veRL / OpenRLHF handing the gathered weights to their inference
   engine; gradients and optimizer states stay sharded throughout.
-- Precision: on CUDA with `device.bf16`, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
+- Precision: on CUDA with bf16 precision (orchestration.device.precision), MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
   fp32 sharded master weights, bf16 gathered weights and compute, gradients reduced in fp32. On the
   CPU everything stays fp32, so 2 gloo processes match one process to float rounding.
 - Frozen models are not sharded: the reference of a LoRA policy is its own (sharded) base, and a
