@@ -27,8 +27,12 @@ STAGE_VERSIONS = {  # in pipeline order: --force STAGE also refreshes every stag
 }
 STAGES = tuple(STAGE_VERSIONS)
 
-# Fields that only say where or how loudly something runs, never what it computes.
-NON_RESULT_FIELDS = {"device", "gradient_checkpointing", "checkpoint_every", "oom_halve_micro_batch", "n_samples_shown"}
+# Fields that only say where or how loudly something runs, never what it computes (ppo.launcher
+# and ppo.ray: the same processes train exactly alike under every launcher).
+NON_RESULT_FIELDS = {
+    "device", "gradient_checkpointing", "checkpoint_every", "oom_halve_micro_batch", "n_samples_shown",
+    "launcher", "ray",
+}
 
 
 def _strip(value: Any) -> Any:

@@ -8,6 +8,7 @@ Errors come back as `ConfigError` holding one "field.path: reason" line per prob
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -63,6 +64,21 @@ class ReferenceConfig(StrictModel):
     """Defaults to model.source; snapshotted once into plain safetensors and hashed."""
 
 
+class RayLauncherConfig(StrictModel):
+    """Where and how `ppo.launcher: ray` runs a round (flows.ray_launcher; README "Ray")."""
+
+    address: str | None = None
+    """The cluster: HOST:6379 (its GCS), ray://HOST:10001 (Ray Client), `auto` (the cluster this
+    machine is a node of), or `local` (a one-machine Ray started for the round); None = $RAY_ADDRESS."""
+    cpus_per_worker: int = Field(1, ge=1)
+    """CPUs each Ray Train worker reserves, and its torch threads; a GPU worker also gets one GPU."""
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement strategy of the workers: PACK fills a node first, SPREAD one node each."""
+    max_failures: int = Field(0, ge=-1)
+    """Ray Train's FailureConfig: times the worker group is restarted in place (resuming from the
+    last in-round checkpoint) before the round fails; -1 = without limit."""
+
+
 class PPOStageConfig(StrictModel):
     """PPO rounds: each round is one Prefect task run of `iterations_per_round` PPO iterations."""
 
@@ -85,17 +101,35 @@ class PPOStageConfig(StrictModel):
     oom_halve_micro_batch: bool = True
     """On CUDA out-of-memory, retry the round with half the micro-batch (same effective batch)."""
     processes: int = Field(1, ge=1, le=64)
-    """Data-parallel processes per round (torchrun; one per GPU, or gloo on CPU). Each rolls out
+    """Data-parallel processes per round (one per GPU, or gloo on CPU). Each rolls out
     algo.batch_size / processes responses with its own seed; the update equals one process's on
     the same samples (ppo_core.lm.distributed). Rank 0 logs and checkpoints."""
+    launcher: Literal["auto", "local", "torchrun", "ray"] = "auto"
+    """Where the round's processes run (flows.launchers): `local` in the task's own process (one
+    process), `torchrun` N processes on the task's host, `ray` N Ray Train workers of a Ray
+    cluster (the `ray` extra; the work folder must be on storage every node mounts at the same
+    path); `auto` = local for one process, torchrun for more. Not part of the cache key."""
+    ray: RayLauncherConfig = Field(default_factory=RayLauncherConfig)
+    """The Ray cluster and the workers' resources, for `launcher: ray`."""
     sharding: Literal["none", "fsdp"] = "none"
     """With processes > 1: `none` replicates the models on every rank (DistributedDataParallel);
     `fsdp` shards the policy and critic (parameters, gradients, optimizer state) over the ranks
-    with FSDP2, and the frozen models too."""
+    with FSDP2; frozen models stay whole on every rank, in the compute dtype."""
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> PPOStageConfig:
         DataParallel(0, self.processes).check_batch(self.algo.batch_size, self.algo.mini_batch_size)
+        return self
+
+    @model_validator(mode="after")
+    def _launcher_fits(self) -> PPOStageConfig:
+        if self.launcher == "local" and self.processes > 1:
+            raise ValueError(
+                f"ppo.launcher: local runs the round in the task's own process: set ppo.processes: 1 "
+                f"(not {self.processes}), or launcher: torchrun | ray"
+            )
+        if self.launcher == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("ppo.launcher: ray needs Ray Train: pip install 'rlhf-ppo[ray]' (scripts/install.sh does)")
         return self
 
     @field_validator("sharding")

@@ -1,8 +1,11 @@
 """Launchers of a PPO round: where the processes that run `flows.workers.train_round` live.
 
-- `in_process`: this process, retrying with a smaller micro-batch on CUDA out-of-memory;
-- `torchrun`: N ranks on this host (`ppo.processes > 1`), torch.distributed's own launcher;
-rank 0 of either writes the outputs the task then reads (flows.workers).
+- `local` (train_round_in_process): this process, retrying with a smaller micro-batch on CUDA
+  out-of-memory;
+- `torchrun`: N ranks on this host, torch.distributed's own launcher;
+- `ray`: N Ray Train workers of a Ray cluster (flows.ray_launcher);
+`auto` is local for one process, torchrun for more. Rank 0 of each writes the outputs the task
+then reads (flows.workers).
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from flows.workers import RoundJob, RoundOutput, train_round
 
 def launch_round(job: RoundJob) -> RoundOutput:
     """Train the round with the launcher its config asks for."""
-    if job.ppo.processes > 1:
+    if job.ppo.launcher == "ray":
+        from flows.ray_launcher import train_round_on_ray  # ray is an optional extra
+
+        return train_round_on_ray(job)
+    if job.ppo.launcher == "torchrun" or (job.ppo.launcher == "auto" and job.ppo.processes > 1):
         return train_round_in_processes(job, job.ppo.processes)
     return train_round_in_process(job)
 

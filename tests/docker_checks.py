@@ -1,7 +1,7 @@
 """The compose/Dockerfile parsing helpers of tests/test_docker.py, shared with
 tests/test_servers.py: where docker/ lives, the compose files loaded as `docker compose config`
 would see them, the argv of each service command, and the installed CLIs' command parsers that
-resolve them.
+resolve them (prefect, mlflow, rlhf, ray).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ COMPOSE = DOCKER / "compose.yaml"
 COMPOSE_CPU = DOCKER / "compose.cpu.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 DOCKERFILES = (DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda")
-SERVICES = {"postgres", "prefect-server", "minio", "mlflow", "init", "worker"}
-OUR_IMAGES = {"prefect-server", "mlflow", "init", "worker"}
+SERVICES = {"postgres", "prefect-server", "minio", "mlflow", "init", "worker", "ray-head", "ray-worker"}
+OUR_IMAGES = {"prefect-server", "mlflow", "init", "worker", "ray-head", "ray-worker"}
 """Services that run the project image: their commands must exist in the installed CLIs."""
 ONE_SHOT = {"init"}
 
@@ -213,8 +213,14 @@ def parse_rlhf(args: list[str]) -> None:
     parse_click(typer.main.get_command(app), "rlhf", args)
 
 
+def parse_ray(args: list[str]) -> None:
+    from ray.scripts.scripts import cli
+
+    parse_click(cli, "ray", args)
+
+
 def check_argv(argv: list[str]) -> None:
-    """Resolve argv against the CLI it names (prefect, mlflow, rlhf, python -c)."""
+    """Resolve argv against the CLI it names (prefect, mlflow, rlhf, ray, python -c)."""
     program, args = argv[0], argv[1:]
     if program == "prefect":
         parse_prefect(args)
@@ -222,6 +228,8 @@ def check_argv(argv: list[str]) -> None:
         parse_mlflow(args)
     elif program == "rlhf":
         parse_rlhf(args)
+    elif program == "ray":
+        parse_ray(args)
     elif program == "python" and args[:1] == ["-c"]:
         ast.parse(args[1])
     else:

@@ -142,6 +142,7 @@ def test_services_run_real_cli_commands(services: dict[str, dict[str, Any]]) -> 
             ast.parse(code)
     assert ["prefect", "server"] in checked and ["mlflow", "server"] in checked
     assert ["prefect", "worker"] in checked and ["prefect", "work-pool"] in checked
+    assert ["ray", "start"] in checked
 
 
 def test_the_command_checker_rejects_what_does_not_exist() -> None:
@@ -156,6 +157,7 @@ def test_the_command_checker_rejects_what_does_not_exist() -> None:
         ["mlflow", "server", "--artifact-store", "s3://x"],
         ["rlhf", "deploy", "configs/tiny.yaml", "--cron", "0 3 * * *", "--pool", "gpu"],
         ["rlhf", "schedule", "configs/tiny.yaml"],
+        ["ray", "start", "--head", "--gcs-port=6379"],
         ["celery", "worker"],
     ):
         with pytest.raises(rejected):
@@ -163,18 +165,20 @@ def test_the_command_checker_rejects_what_does_not_exist() -> None:
 
 
 def test_readme_docker_commands_exist() -> None:
-    """The rlhf and prefect commands the README's server section tells people to run."""
+    """The rlhf, prefect and ray commands the README's server section tells people to run."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("## Running on servers", 1)[1].split("\n## ", 1)[0]
     code = "\n".join(re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL))
     commands = []
     for line in code.splitlines():
         argv = shlex.split(line, comments=True)
-        for program in ("rlhf", "prefect"):
+        for program in ("rlhf", "prefect", "ray"):
             if program in argv:
                 commands.append(argv[argv.index(program):])
                 check_argv(commands[-1])
     assert any(a[:2] == ["rlhf", "deploy"] and option(a, "--work-pool") == "gpu" for a in commands), commands
+    joins = [a for a in commands if a[:2] == ["ray", "start"] and "--head" not in a]
+    assert joins and all(option(a, "--address").endswith(":6379") for a in joins), commands
 
 
 def test_every_long_running_service_has_a_healthcheck_and_waits_for_healthy_dependencies(
@@ -196,8 +200,13 @@ def test_healthchecks_probe_the_ports_the_servers_listen_on(services: dict[str, 
         "prefect-server": option(command_lines(services["prefect-server"])[0], "--port"),
         "mlflow": option(command_lines(services["mlflow"])[0], "--port"),
         "worker": environment(services["worker"])["PREFECT_WORKER_WEBSERVER_PORT"],
+        "ray-head": option(command_lines(services["ray-head"])[0], "--dashboard-port"),
+        "ray-worker": option(command_lines(services["ray-worker"])[0], "--dashboard-agent-listen-port"),
     }
-    paths = {"prefect-server": "/api/health", "mlflow": "/health", "worker": "/health"}
+    paths = {
+        "prefect-server": "/api/health", "mlflow": "/health", "worker": "/health",
+        "ray-head": "/api/gcs_healthz", "ray-worker": "/api/local_raylet_healthz",
+    }
     for name, port in listens.items():
         url = re.search(r"'(http://[^']+)'", healthcheck_code(services[name])).group(1)
         parts = urlsplit(url)
@@ -206,6 +215,10 @@ def test_healthchecks_probe_the_ports_the_servers_listen_on(services: dict[str, 
         for published in services[name].get("ports", []):
             assert published.endswith(f":{port}"), f"{name}: {published}"
     assert "--with-healthcheck" in command_lines(services["worker"])[0]
+    # Ray's health endpoints stay open under token auth (the healthchecks send no token)
+    from ray.dashboard.http_server_agent import PUBLIC_EXACT_PATHS
+
+    assert paths["ray-worker"] in PUBLIC_EXACT_PATHS  # the head's: tests/test_ray.py asks it for real
 
 
 def test_stateful_services_keep_their_data_in_named_volumes(compose: dict[str, Any]) -> None:
@@ -302,19 +315,55 @@ def test_mlflow_accepts_the_host_header_the_worker_sends(services: dict[str, dic
     assert is_allowed_host_header(allowed, "localhost:5000") and not is_allowed_host_header(allowed, "evil.example")
 
 
+GPU_SERVICES = ("worker", "ray-worker")
+"""The Prefect worker (GPU stages in its own process) and the Ray node (Ray rounds)."""
+
+
 def test_gpu_is_reserved_through_deploy_resources(services: dict[str, dict[str, Any]]) -> None:
-    worker = services["worker"]
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert len(devices) == 1
-    device = devices[0]
-    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-    assert device.get("count") == "all" or int(device.get("count", 0)) >= 1 or device.get("device_ids")
-    assert worker["build"]["dockerfile"] == "docker/Dockerfile.cuda"
+    for name in GPU_SERVICES:
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1, name
+        device = devices[0]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+        assert device.get("count") == "all" or int(device.get("count", 0)) >= 1 or device.get("device_ids"), name
+        assert services[name]["build"]["dockerfile"] == "docker/Dockerfile.cuda", name
     for name, service in services.items():
         assert "gpus" not in service and service.get("runtime") != "nvidia", name
-        if name != "worker":
+        if name not in GPU_SERVICES:
             assert "deploy" not in service, f"{name} should not hold a GPU"
-    # The CPU override drops the reservation and the CUDA image for a GPU-less host.
-    cpu_worker = load_compose(COMPOSE_CPU)["services"]["worker"]
-    assert isinstance(cpu_worker["deploy"], Reset)
-    assert cpu_worker["build"]["dockerfile"] == "docker/Dockerfile"
+    # The CPU override drops the reservations and the CUDA image for a GPU-less host.
+    cpu = load_compose(COMPOSE_CPU)["services"]
+    for name in GPU_SERVICES:
+        assert isinstance(cpu[name]["deploy"], Reset), name
+        assert cpu[name]["build"]["dockerfile"] == "docker/Dockerfile", name
+
+
+def test_the_prefect_worker_drives_the_ray_cluster_whose_nodes_share_its_work_folder(
+    services: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ppo.launcher: ray` from the Prefect worker: it connects to the head's GCS (RAY_ADDRESS,
+    read by flows.ray_launcher when ppo.ray.address is unset), the Ray node joins the same head,
+    every Ray participant presents the same token, the nodes mount the work volume at the
+    worker's path (the storage every node sees), and the node that runs rank 0 can log to MLflow."""
+    head, node = (command_lines(services[n])[0] for n in ("ray-head", "ray-worker"))
+    worker_env = environment(services["worker"])
+    gcs = f"ray-head:{option(head, '--port')}"
+    assert worker_env["RAY_ADDRESS"] == gcs and option(node, "--address") == gcs
+    assert "--head" in head and option(head, "--num-cpus") == "0" and option(head, "--num-gpus") == "0"
+    assert "--block" in head and "--block" in node  # the container lives as long as its Ray node
+    for name in ("worker", "ray-worker"):
+        assert services[name]["depends_on"]["ray-head"] == {"condition": "service_healthy"}, name
+    auth = {(environment(services[n])["RAY_AUTH_MODE"], environment(services[n])["RAY_AUTH_TOKEN"])
+            for n in ("ray-head", "ray-worker", "worker")}
+    assert auth == {("token", worker_env["RAY_AUTH_TOKEN"])}
+    work = dict(v.split(":")[::-1] for v in services["worker"]["volumes"])["/app/.rlhf"]
+    for name in ("ray-head", "ray-worker"):
+        assert dict(v.split(":")[::-1] for v in services[name]["volumes"]).get("/app/.rlhf") == work, name
+    rank_zero = environment(services["ray-worker"])
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        assert rank_zero[key] == worker_env[key], key
+    monkeypatch.setenv("RAY_ADDRESS", worker_env["RAY_ADDRESS"])
+    from flows.config import load_config
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["ppo.launcher=ray"], check_files=False)
+    assert cfg.ppo.ray.address is None  # so the round takes RAY_ADDRESS, the head
