@@ -3,8 +3,9 @@
 A round continues the trainer state of round k-1 (policy, critic, optimisers, RNG, KL
 controller, iteration counter), so R cached rounds equal one uninterrupted run. Inside the
 round the trainer checkpoints atomically every `checkpoint_every` iterations into a folder
-named by the round's cache key: a crash resumes from the last in-round checkpoint. With
-`ppo.processes > 1` the round trains data-parallel in torchrun processes (flows.launchers).
+named by the round's cache key: a crash resumes from the last in-round checkpoint. Where the
+round's processes run is `ppo.launcher` (flows.launchers): this process, torchrun processes on
+this host, or Ray Train workers across machines (flows.ray_launcher).
 """
 
 from __future__ import annotations
