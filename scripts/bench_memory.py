@@ -39,10 +39,8 @@ CASES: dict[str, dict[str, Any]] = {
     "frozen bf16": {"overrides": [], "frozen_bf16": True},
     "bf16 (precision: bf16)": {"overrides": ["orchestration.device.precision=bf16"]},
     "lora r=16": {"overrides": ["ppo.lora={r: 16}"]},
-    # TODO(FSDP): "fsdp x2", `ppo.processes=2` + `ppo.sharding=fsdp`, the policy sharded over 2
-    # ranks (estimate_ppo_memory(processes=2, shards=2)): launch the case under torchrun
-    # (flows.workers) and take each rank's VmHWM. Not measured yet: the sharded mode
-    # (ppo_core/lm/sharding.py) was still being written when these cases were.
+    # 2 torchrun ranks, 1 thread each; measured per rank, the table gives the larger
+    "fsdp x2": {"overrides": ["ppo.processes=2", "ppo.sharding=fsdp"], "ranks": 2},
 }
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 MMAP_THRESHOLD = 128 * 1024
@@ -74,8 +72,12 @@ def _reset_peak() -> None:
 
 
 def _tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages among `tensors` (tied weights counted once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of distinct storages among `tensors` (tied weights counted once; a sharded
+    tensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
     return sum(storages.values())
 
 
@@ -93,6 +95,7 @@ def _build(cfg, frozen_bf16: bool):
     import torch
 
     from ppo_core.data.prompts import encode_prompts, load_prompts, split_prompts
+    from ppo_core.lm.distributed import DataParallel
     from ppo_core.lm.lora import add_policy_adapters
     from ppo_core.lm.models import load_causal_lm, load_tokenizer
     from ppo_core.lm.precision import resolve_precision
@@ -121,6 +124,7 @@ def _build(cfg, frozen_bf16: bool):
     trainer = PPOTrainer(
         ppo.effective_algo, ppo.sampling, policy, ref_model, critic, tokenizer,
         RewardScorer(rm, tokenizer, texts), prompt_ids, device=device,
+        parallel=DataParallel.from_env(sharding=ppo.sharding),  # one process unless under torchrun
     )
     if trainer.ref_model is not None:
         trainer.ref_model.to(frozen)
@@ -156,7 +160,8 @@ def _estimate(cfg, prompt_tokens: int, shared_prefix: int, frozen_bf16: bool, bf
     return estimate_ppo_memory(
         model_skeleton(cfg.reference_source), reward, ppo.effective_algo, ppo.sampling, prompt_tokens,
         shared_prefix_tokens=shared_prefix, critic_backbone=backbone if ppo.critic_init == "reward_model" else None, lora=ppo.lora,
-        processes=ppo.processes, frozen_dtype_bytes=2 if frozen_bf16 or bf16 else 4,
+        processes=ppo.processes, shards=ppo.processes if ppo.sharding == "fsdp" else 1,
+        frozen_dtype_bytes=2 if frozen_bf16 or bf16 else 4,
         compute_dtype_bytes=2 if bf16 else 4,
         gradient_checkpointing=cfg.orchestration.device.gradient_checkpointing,
     )
@@ -285,12 +290,21 @@ def run_all(names: list[str], iterations: int, threads: int, out: Path) -> list[
     results = []
     for name in names:
         path = out / f"{re.sub(r'[^a-z0-9]+', '-', name.lower())}.json"
-        cmd = [sys.executable, __file__, "--case", name, "--json", str(path),
-               "--iterations", str(iterations), "--threads", str(threads)]
+        ranks = CASES[name].get("ranks", 1)
+        launch = [sys.executable] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        cmd = [*launch, __file__, "--case", name, "--json", str(path),
+               "--iterations", str(iterations), "--threads", str(max(1, threads // ranks))]
         print(f"== {name}", flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, **CHILD_ENV})
-        results.append(json.loads(path.read_text()))
+        per_rank = [json.loads(_rank_path(path, r).read_text()) for r in range(ranks)]
+        results.append(max(per_rank, key=lambda r: r["peak_over_baseline"]))
     return results
+
+
+def _rank_path(path: Path, rank: int) -> Path:
+    """Where a rank writes its result: `path` for rank 0 (and a lone process)."""
+    return path if rank == 0 else path.with_suffix(f".rank{rank}.json")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,7 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:
         result = run_case(args.case, args.iterations, args.threads)
         text = json.dumps(result, indent=2)
-        args.json.write_text(text) if args.json else print(text)
+        rank = int(os.environ.get("RANK", "0"))
+        _rank_path(args.json, rank).write_text(text) if args.json else print(text)
+        from ppo_core.lm.distributed import shutdown
+
+        shutdown()  # the process group of a torchrun case
         return
     print(markdown(run_all(list(CASES), args.iterations, args.threads, args.out)))
 

@@ -32,11 +32,18 @@ def _last_round_checkpoint(run: Run) -> Path:
     return next(p for p in state.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-@pytest.mark.parametrize("critic", ["shared", "separate"])
+CRITICS = {
+    "shared": ["ppo.algo.critic=shared"],  # the value head on the adapted trunk
+    "separate": ["ppo.algo.critic=separate"],  # its own copy of the policy trunk, own adapters
+    "separate-from-rm": ["ppo.algo.critic=separate", "ppo.critic_init=reward_model"],  # the RM's trunk
+}
+
+
+@pytest.mark.parametrize("critic", sorted(CRITICS))
 def test_a_crashed_lora_run_resumes_to_the_uninterrupted_result(
     pipeline_env: Path, tmp_path_factory: pytest.TempPathFactory, critic: str
 ) -> None:
-    overrides = [*LORA, f"ppo.algo.critic={critic}"]
+    overrides = [*LORA, *CRITICS[critic]]
     whole = run_pipeline(tmp_path_factory.mktemp(f"lora-{critic}"), overrides)
     assert whole.result is not None, f"the LoRA run failed: {whole.error!r}"
     folder = tmp_path_factory.mktemp(f"lora-{critic}-crash")
@@ -52,7 +59,7 @@ def test_a_crashed_lora_run_resumes_to_the_uninterrupted_result(
     policy_keys = _keys(checkpoint / "policy.safetensors")
     assert policy_keys and all("lora_" in k for k in policy_keys), policy_keys[:5]
     value_keys = _keys(checkpoint / "value.safetensors")
-    if critic == "separate":  # the critic's own adapters and its head, never its frozen backbone
+    if critic.startswith("separate"):  # the critic's own adapters and its head, never its frozen backbone
         assert {k.split(".")[0] for k in value_keys} == {"backbone", "head"}
         assert all("lora_" in k for k in value_keys if k.startswith("backbone."))
     sizes = json.loads((checkpoint / "MANIFEST.json").read_text())["files"]
