@@ -141,6 +141,16 @@ class PPOStageConfig(StrictModel):
 
     @field_validator("algo")
     @classmethod
+    def _critic_init_needs_a_separate_critic(cls, algo: PPOConfig, info: ValidationInfo) -> PPOConfig:
+        """A shared value head has no backbone of its own to initialise: critic_init would be
+        silently ignored."""
+        if algo.critic == "shared" and info.data.get("critic_init") == "reward_model":
+            raise ValueError("critic: shared puts the value head on the policy's trunk, so "
+                             "ppo.critic_init: reward_model would be ignored; use critic: separate or drop critic_init")
+        return algo
+
+    @field_validator("algo")
+    @classmethod
     def _schedule_is_not_set_by_hand(cls, algo: PPOConfig, info: ValidationInfo) -> PPOConfig:
         """The LR schedule anneals over the whole run, rounds x iterations_per_round; a
         different hand-set value is an error, not silently replaced."""

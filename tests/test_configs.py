@@ -152,3 +152,17 @@ def test_the_7b_config_trains_adapters_sharded_over_a_node() -> None:
     assert (cfg.ppo.processes, cfg.ppo.sharding, cfg.ppo.algo.critic) == (8, "fsdp", "shared")
     assert cfg.orchestration.device.gradient_checkpointing and cfg.orchestration.device.device == "cuda"
     assert cfg.ppo.algo.batch_size % cfg.ppo.processes == 0
+
+
+def test_a_shared_value_head_with_a_reward_model_critic_init_is_an_error_naming_both_fields(tmp_path: Path, monkeypatch) -> None:
+    from flows.config import ConfigError
+
+    monkeypatch.setenv("RLHF_TINY_DIR", str(tmp_path / "tiny"))
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny, ["ppo.algo.critic=shared", "ppo.critic_init=reward_model"])
+    assert err.value.problems == [
+        "ppo.algo: critic: shared puts the value head on the policy's trunk, so ppo.critic_init: "
+        "reward_model would be ignored; use critic: separate or drop critic_init"
+    ]
+    assert load_config(tiny, ["ppo.algo.critic=separate", "ppo.critic_init=reward_model"]).ppo.critic_init == "reward_model"
