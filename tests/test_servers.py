@@ -230,8 +230,11 @@ def deployment_run(stack: Stack, pipeline_run: PipelineRun) -> dict[str, Any]:
         PREFECT_WORKER_WEBSERVER_PORT=str(health_port), PREFECT_WORKER_QUERY_SECONDS="2",
         PREFECT_WORKER_PREFETCH_SECONDS="5",
     )
-    # the worker's compose environment: the two URLs and the logins, as client_env has them
-    assert set(environment(worker)) - {"PREFECT_WORKER_WEBSERVER_PORT"} <= {"PREFECT_API_URL", "MLFLOW_TRACKING_URI", *LOGIN_KEYS}
+    # the worker's compose environment: the two URLs and the logins, as client_env has them, and
+    # the Ray head's address and token (tests/test_ray.py: here rounds run with the default launcher)
+    ray_client = {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"}
+    assert set(environment(worker)) - {"PREFECT_WORKER_WEBSERVER_PORT"} - ray_client <= {
+        "PREFECT_API_URL", "MLFLOW_TRACKING_URI", *LOGIN_KEYS}
     stack.spawn("worker", command_lines(worker)[0], worker_env)
     stack.wait_healthy("worker", f"http://127.0.0.1:{health_port}/health", timeout=120)
 
