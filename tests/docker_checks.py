@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,3 +235,15 @@ def check_argv(argv: list[str]) -> None:
         ast.parse(args[1])
     else:
         raise AssertionError(f"{argv}: not a CLI of the project image")
+
+
+# ---- fixtures of the docker test modules (registered there with pytest_plugins) -----------
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    """docker/compose.yaml as compose reads it with the documented settings."""
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]

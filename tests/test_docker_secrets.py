@@ -39,15 +39,7 @@ from tests.docker_checks import (  # noqa: E402
     variables,
 )
 
-
-@pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    return load_compose()
-
-
-@pytest.fixture(scope="module")
-def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return compose["services"]
+pytest_plugins = ["tests.docker_checks"]  # the compose and services fixtures
 
 
 def test_settings_have_documented_defaults_and_secrets_have_none() -> None:
