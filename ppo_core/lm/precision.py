@@ -62,22 +62,24 @@ class MasterWeights:
     With fp32 weights it is a pass-through: the masters are the parameters themselves.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], masters: list[nn.Parameter] | None = None) -> None:
+        """`masters`: the fp32 values of `params` where known exactly (default: widened from them)."""
         self.params = [p for p in params if p.requires_grad]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
-        self.masters = (
-            [nn.Parameter(p.detach().float().clone()) for p in self.params] if self.mixed else self.params
-        )
+        if not self.mixed:
+            self.masters = self.params
+        else:
+            self.masters = masters or [nn.Parameter(p.detach().float().clone()) for p in self.params]
 
     @classmethod
     def cast(cls, module: nn.Module, dtype: torch.dtype) -> MasterWeights:
-        """Take fp32 masters of `module`'s trainable weights, then give the module `dtype` weights."""
-        masters = [nn.Parameter(p.detach().float().clone()) for p in module.parameters() if p.requires_grad]
+        """Take fp32 masters of `module`'s trainable weights (exact values, not the re-widened
+        bf16 ones), then give the module `dtype` weights; for fp32 no copy is made."""
+        masters = None
+        if dtype != torch.float32:
+            masters = [nn.Parameter(p.detach().float().clone()) for p in module.parameters() if p.requires_grad]
         module.to(dtype)
-        weights = cls(module.parameters())
-        if weights.mixed:  # exact fp32 values, not the re-widened bf16 ones
-            weights.masters = masters
-        return weights
+        return cls(module.parameters(), masters)
 
     def master_params(self) -> list[nn.Parameter]:
         return self.masters
