@@ -8,21 +8,14 @@ pass (`Rollout.trimmed` drops columns that are pad in every row).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
 
 from ppo_core.config import SamplingConfig
-from ppo_core.lm.logprobs import selective_log_softmax
-from ppo_core.lm.models import unwrap_peft
-
-# Keeping generation logits costs batch * new_tokens * vocab floats; above this many bytes we
-# let the caller recompute log-probs with a forward pass instead.
-GENERATION_LOGITS_BUDGET_BYTES = 1 << 30
+from ppo_core.lm.decoding import decode
 
 
 @dataclass
@@ -40,7 +33,7 @@ class Rollout:
     ended: torch.Tensor
     """[B] True where the response emitted a stop token."""
     logprobs: torch.Tensor | None = None
-    """[B, R] log pi(a_t|s_t) at the sampling temperature, from the generation logits (or None)."""
+    """[B, R] log pi(a_t|s_t) at the sampling temperature, taken while sampling (or None)."""
     prompt_index: torch.Tensor | None = None
     """[B] index of each row's prompt in the caller's prompt list, so scorers can read the raw
     prompt text rather than decoding a chat-templated query."""
@@ -112,25 +105,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
     return ids, mask
 
 
-def generation_config(
-    sampling: SamplingConfig, stop_ids: Sequence[int], pad_id: int, keep_logits: bool = False
-) -> GenerationConfig:
-    """A complete GenerationConfig, so that a model's own generation defaults never leak in."""
-    return GenerationConfig(
-        do_sample=True,
-        max_new_tokens=sampling.max_new_tokens,
-        min_new_tokens=sampling.min_new_tokens,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        eos_token_id=list(stop_ids),
-        pad_token_id=pad_id,
-        use_cache=True,
-        return_dict_in_generate=True,
-        output_logits=keep_logits,
-    )
-
-
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -140,47 +114,15 @@ def generate(
     stop_ids: Sequence[int],
     pad_id: int,
     want_logprobs: bool = True,
-    chunk_size: int = 4096,
 ) -> Rollout:
-    """Sample one response per prompt with the KV cache; see the module docstring for masks."""
+    """Sample one response per prompt with the KV cache (ppo_core.lm.decoding); see the module
+    docstring for masks."""
     if not stop_ids:
         raise ValueError("generate needs at least one stop token id (the tokenizer's EOS)")
     device = next(model.parameters()).device
     query_ids, query_mask = query_ids.to(device), query_mask.to(device)
-    budget = query_ids.shape[0] * sampling.max_new_tokens * _vocab_size(model) * 4
-    keep_logits = want_logprobs and budget <= GENERATION_LOGITS_BUDGET_BYTES
-    with _without_model_generation_defaults(model):
-        out = model.generate(
-            input_ids=query_ids,
-            attention_mask=query_mask,
-            generation_config=generation_config(sampling, stop_ids, pad_id, keep_logits),
-        )
-    raw = out.sequences[:, query_ids.shape[1] :]
+    raw, logprobs = decode(model, query_ids, query_mask, sampling, stop_ids, pad_id, want_logprobs)
     response_ids, response_mask, ended = truncate_after_stop(raw, stop_ids, pad_id)
-    logprobs = None
-    if keep_logits:
-        logits = torch.stack(out.logits, dim=1) / sampling.temperature
-        logprobs = selective_log_softmax(logits, raw, chunk_size) * response_mask
+    if logprobs is not None:
+        logprobs = logprobs * response_mask
     return Rollout(query_ids, query_mask, response_ids, response_mask, ended, logprobs)
-
-
-@contextmanager
-def _without_model_generation_defaults(model: nn.Module) -> Iterator[None]:
-    """transformers fills every field our GenerationConfig leaves None (suppress_tokens,
-    repetition_penalty, no_repeat_ngram_size, num_beams, ...) from model.generation_config; any of
-    them would make the sampling distribution differ from the softmax(logits / T) whose log-probs
-    PPO trains on. A blank model config for the call leaves only the library's own settings."""
-    base = unwrap_peft(model)
-    saved = getattr(base, "generation_config", None)
-    base.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        base.generation_config = saved
-
-
-def _vocab_size(model: nn.Module) -> int:
-    embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if embeddings is not None:
-        return int(embeddings.weight.shape[0])
-    return int(model.config.vocab_size)

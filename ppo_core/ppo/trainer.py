@@ -208,7 +208,7 @@ class PPOTrainer:
         with self.grad_sync.gathered():  # fsdp: whole weights while generating
             rollout = generate(
                 self.policy, query_ids, query_mask, self.sampling, self.stop_ids, self.pad_id,
-                want_logprobs=self.config.logprobs_from_generation, chunk_size=self.config.logprob_chunk_size,
+                want_logprobs=self.config.logprobs_from_generation,
             )
         rollout.prompt_index = torch.tensor(indices, device=rollout.query_ids.device)
         return rollout.trimmed()

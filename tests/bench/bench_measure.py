@@ -13,10 +13,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from transformers import GenerationConfig
 
 from ppo_core import PPOTrainer, Rollout
 from ppo_core.lm.logprobs import position_ids_from_mask
-from ppo_core.lm.rollout import generation_config, left_pad
+from ppo_core.lm.rollout import left_pad
 
 
 # ---- measuring ------------------------------------------------------------------------
@@ -126,19 +127,26 @@ class PlainBaselines:
         self.optimizers = [torch.optim.AdamW(self.policy.parameters(), **kwargs)]
         if self.critic is not None:
             self.optimizers.append(torch.optim.AdamW(self.critic.parameters(), **kwargs))
-        # the trainer's own config (no model defaults), so both draw the same tokens
-        self.gen_config = generation_config(trainer.sampling, trainer.stop_ids, trainer.pad_id)
+        sampling = trainer.sampling
+        # the trainer's sampling settings and nothing from the model's own generation defaults
+        self.gen_config = GenerationConfig(
+            do_sample=True, max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            eos_token_id=list(trainer.stop_ids), pad_token_id=trainer.pad_id, use_cache=True,
+            return_dict_in_generate=True,
+        )
         self.cuda_devices = [device] if device.type == "cuda" else []
 
     def generate(self) -> torch.Tensor:
-        """model.generate on the batch the next trainer.step will sample, from the same RNG
-        state (fork_rng restores it, so the trainer then draws exactly these tokens)."""
+        """transformers' model.generate on the batch the next trainer.step will sample (the RNG
+        state is restored after it, so the trainer's draws do not depend on it). The two samplers
+        draw different tokens, so runs may differ in length: compare time per generated token."""
         t = self.trainer
         indices = t.sampler.batch(t.iteration)
         ids, mask = left_pad([t.prompts[i] for i in indices], t.pad_id)
         ids, mask = ids.to(t.device), mask.to(t.device)
         rng = torch.random.fork_rng(devices=self.cuda_devices)
-        with rng, torch.no_grad(), t._autocast(), self.meter.phase("plain_generate"):
+        with rng, torch.no_grad(), self.meter.phase("plain_generate"):
             out = t.policy.generate(
                 input_ids=ids, attention_mask=mask, generation_config=self.gen_config
             )
@@ -150,16 +158,15 @@ class PlainBaselines:
         ids, am, n = rollout.input_ids, rollout.attention_mask, rollout.response_len
         labels = ids.masked_fill(am == 0, -100)
         with self.meter.phase("plain_train_step"):
-            with self.trainer._autocast():
-                loss = self.policy(
-                    input_ids=ids,
-                    attention_mask=am,
-                    position_ids=position_ids_from_mask(am),
-                    labels=labels,
-                    use_cache=False,
-                ).loss
-                if self.critic is not None:
-                    loss = loss + self.critic(ids, am, n).float().pow(2).mean()
+            loss = self.policy(
+                input_ids=ids,
+                attention_mask=am,
+                position_ids=position_ids_from_mask(am),
+                labels=labels,
+                use_cache=False,
+            ).loss
+            if self.critic is not None:
+                loss = loss + self.critic(ids, am, n).float().pow(2).mean()
             loss.backward()
             for opt in self.optimizers:
                 opt.step()
@@ -169,10 +176,10 @@ class PlainBaselines:
 def install_profile(
     meter: Meter, trainer: PPOTrainer, scorer: torch.nn.Module, plain: PlainBaselines
 ) -> None:
-    """--profile: book forwards, backward, optimizer, log-softmax and entropy time inside each
-    phase, so the update splits into forward / backward / optimizer (and the plain step too)."""
+    """--profile: book forwards, backward, optimizer, master-weight copies, log-softmax and entropy
+    time inside each phase, so the update splits into forward / backward / optimizer (and the plain
+    step too)."""
     import ppo_core.lm.logprobs
-    import ppo_core.lm.rollout
     import ppo_core.ppo.trainer
 
     forwards = [
@@ -190,7 +197,10 @@ def install_profile(
         opt.step = meter.wrap("optimizer", opt.step, part=True)
     trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
     torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)
-    for module in (ppo_core.lm.rollout, ppo_core.lm.logprobs, ppo_core.ppo.trainer):
+    for weights in trainer.weights:  # bf16: gradients into the fp32 masters, masters back to bf16
+        weights.accumulate_grads = meter.wrap("master_grads", weights.accumulate_grads, part=True)
+        weights.publish = meter.wrap("master_publish", weights.publish, part=True)
+    for module in (ppo_core.lm.logprobs, ppo_core.ppo.trainer):
         module.selective_log_softmax = meter.wrap(
             "log_softmax", module.selective_log_softmax, part=True
         )
