@@ -63,6 +63,7 @@ def train_reward_model(
         where = placement(DeviceConfig(device=cfg.device, precision=device.precision) if cfg.device else device)
         rm, report = train_rm(
             cfg, train_rows, eval_rows, on_metrics=MetricLogger(run_id, tracking.uri), gold_scorer=gold, placement=where,
+            show_progress=True,
         )
         if cfg.normalise:
             texts = read_prompt_file(prefs.train_prompts_path)[:NORMALISATION_PROMPTS]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
+from tqdm.auto import tqdm
 
 from ppo_core.config import DeviceConfig
 from ppo_core.data.labelers import GoldScorer
@@ -205,11 +206,12 @@ def train_reward_model(
     on_metrics: MetricsCallback | None = None,
     gold_scorer: GoldScorer | None = None,
     placement: Placement | None = None,
+    show_progress: bool = False,
 ) -> tuple[RewardModel, RewardTrainReport]:
     """AdamW with linear anneal over `epochs` passes, then held-out evaluation. The RM is not
     normalised here (whatever `cfg.normalise` says): call `fit_normalisation` on reference-policy
     samples afterwards, as the pipeline does when `cfg.normalise` is set. The RM trains on
-    `placement` (default: resolved from `cfg.device`)."""
+    `placement` (default: resolved from `cfg.device`); `show_progress`: a progress bar over steps."""
     if not train_rows:
         raise ValueError("no training pairs")
     start = time.perf_counter()
@@ -233,6 +235,7 @@ def train_reward_model(
     )
     generator = torch.Generator().manual_seed(cfg.seed)
     step, losses, hits = 0, [], []
+    progress = tqdm(total=total, desc="reward model", unit="step", disable=not show_progress)
     for _epoch in range(cfg.epochs):
         losses, hits = [], []
         for batch in torch.randperm(len(units), generator=generator).split(per_step):
@@ -251,10 +254,13 @@ def train_reward_model(
             weights.publish()
             scheduler.step()
             step += 1
+            progress.update()
+            progress.set_postfix(loss=f"{metrics['rm/loss']:.3f}", acc=f"{metrics['rm/accuracy']:.2f}", refresh=False)
             losses.append(metrics["rm/loss"] * len(rows))
             hits.append(metrics["rm/accuracy"] * len(rows))
             if on_metrics is not None:
                 on_metrics(step, metrics)
+    progress.close()
     rm.model.eval()
     n_last = len(train_rows)
     eval_loss = eval_acc = agreement = None
