@@ -140,7 +140,7 @@ def test_full_fine_tuning_with_a_separate_critic_component_by_component() -> Non
         reward_weights=REWARD * 4,
         optimizer=2 * trainable * 4,
         kv_cache=2 * 2 * 2 * 8 * 16 * 8 * 4,  # 8 rollout rows of 16 tokens, fp32
-        generation_logits=3 * 8 * 6 * 100 * 4,
+        generation_logits=4 * 8 * 100 * 4,  # one sampling step of 8 rows
         gradients=trainable * 4,
         activations=2 * 4 * 16 * (2 * LAYER + 64) * 4,  # policy and critic trunks, 4 rows x 16
         logits=3 * 4 * 7 * 100 * 4,  # response positions + 1
@@ -201,10 +201,6 @@ def test_dtypes_frozen_models_in_bf16_and_bf16_compute_with_fp32_masters() -> No
     assert mixed.master_weights == mixed.master_gradients == trainable * 4  # fp32 masters and their gradients
     assert mixed.optimizer == whole.optimizer
     assert mixed.update == max(mixed.gradients + mixed.activations + mixed.logits, trainable * 4)
-
-
-def test_generation_logits_only_when_the_trainer_keeps_them() -> None:
-    assert estimate(algo={"logprobs_from_generation": False}).generation_logits == 0
 
 
 def test_critic_from_the_reward_model_uses_its_backbone() -> None:

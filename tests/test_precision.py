@@ -11,7 +11,13 @@ from torch import nn
 
 from ppo_core.config import DeviceConfig
 from ppo_core.lm.placement import resolve_placement
-from ppo_core.lm.precision import MasterWeights, cpu_bf16_flags, resolve_precision
+from ppo_core.lm.precision import (
+    MasterWeights,
+    cpu_bf16_flags,
+    prefer_eager_attention,
+    resolve_precision,
+)
+from tests.tiny import tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -105,3 +111,19 @@ def test_a_checkpoint_holds_the_fp32_masters_and_restores_them_exactly() -> None
     restored.load_exact_state(state, fresh)
     assert all(torch.equal(a, b) for a, b in zip(restored.master_params(), weights.master_params(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), module.parameters(), strict=True))
+
+
+def test_trained_models_on_a_bf16_cpu_use_eager_attention_and_compute_the_same() -> None:
+    """sdpa's CPU flash-attention backward is ~10x its forward in bf16: trained models switch to
+    eager attention there (only there), and the logits stay those of sdpa."""
+    model = tiny_llama(seed=0)
+    assert model.config._attn_implementation == "sdpa"
+    prefer_eager_attention(model, torch.device("cpu"), torch.float32)
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 7, 8, 9]])
+    mask = (ids != 0).long()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    prefer_eager_attention(model, torch.device("cpu"), torch.bfloat16)
+    assert model.config._attn_implementation == "eager"
+    after = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after[mask.bool()], before[mask.bool()], atol=1e-5, rtol=1e-5)

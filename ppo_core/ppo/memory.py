@@ -29,10 +29,9 @@ scoring forwards in between hold less than the update). Per component, in bytes:
   prefetched one).
 - KV cache: 2 (K and V) x layers x kv_heads x head_dim x (prompt + new tokens) x rollout rows
   per rank x compute bytes (activations too are in the compute dtype).
-- generation logits: rows x new tokens x vocab x 4, `GENERATION_LOGIT_COPIES` times (the list
-  `generate` returns, the stacked copy divided by the temperature, and the stacked copy before
-  the division or the log-sum-exp's temporary), only when the trainer keeps them
-  (`logprobs_from_generation`, under the rollout module's 1 GiB budget).
+- generation logits: rows x vocab x 4 of one sampling step, `GENERATION_LOGIT_COPIES` times
+  (the fp32 logits, the scores divided by the temperature, their softmax and its cumulative
+  sum, or the log-softmax of the sampled token's log-prob); no earlier step's are kept.
 - activations: what autograd saves in the training forward of one micro-batch, per layer and
   token: Korthikanti et al. 2022's count (arXiv:2205.05198, sec. 4.1), redone for Hugging Face
   decoders (`layer_activation_elements`); it matches autograd's saved tensors on SmolLM2 to
@@ -63,12 +62,11 @@ from ppo_core.data.prompts import BUILTIN, load_prompts
 from ppo_core.data.records import is_local_file
 from ppo_core.lm.lora import LoRAConfig
 from ppo_core.lm.models import _pretrained_args, resolve_source, transformer_blocks, trunk
-from ppo_core.lm.rollout import GENERATION_LOGITS_BUDGET_BYTES
 from ppo_core.ppo.config import PPOConfig
 
 FP32 = 4
 ADAM_STATES = 2
-GENERATION_LOGIT_COPIES = 3
+GENERATION_LOGIT_COPIES = 4
 TRAINING_LOGIT_COPIES = 3
 CHARS_PER_TOKEN = 3
 """Prompt tokens guessed from text: English BPE averages ~4 UTF-8 bytes a token; 3 errs high."""
@@ -212,12 +210,10 @@ def kv_cache_bytes(shape: TrunkShape, rows: int, seq: int, elem_bytes: int) -> i
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * seq * rows * elem_bytes
 
 
-def generation_logits_bytes(algo: PPOConfig, sampling: SamplingConfig, rows: int, vocab: int) -> int:
-    """The per-step logits `generate` returns when the old log-probs come from them."""
-    one = rows * sampling.max_new_tokens * vocab * FP32
-    if not algo.logprobs_from_generation or one > GENERATION_LOGITS_BUDGET_BYTES:
-        return 0
-    return one * GENERATION_LOGIT_COPIES
+def generation_logits_bytes(rows: int, vocab: int) -> int:
+    """One sampling step's [rows, V] fp32 logits and their copies in the sampler (scores,
+    softmax, cumulative sum, log-softmax: ppo_core.lm.decoding keeps no earlier step's)."""
+    return rows * vocab * FP32 * GENERATION_LOGIT_COPIES
 
 
 def training_rows(algo: PPOConfig, processes: int) -> int:
@@ -348,7 +344,7 @@ def estimate_ppo_memory(
         reward_weights=param_count(reward_model) * frozen_dtype_bytes,
         optimizer=ADAM_STATES * trainable * FP32 // shards,
         kv_cache=kv_cache_bytes(shape, rollout_rows, seq, elem),
-        generation_logits=generation_logits_bytes(algo, sampling, rollout_rows, shape.vocab),
+        generation_logits=generation_logits_bytes(rollout_rows, shape.vocab),
         gradients=trainable * held // shards,
         activations=activations,
         logits=TRAINING_LOGIT_COPIES * rows * (sampling.max_new_tokens + 1) * shape.vocab * FP32,

@@ -27,7 +27,7 @@ from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_l
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
-from ppo_core.lm.precision import MasterWeights, resolve_precision
+from ppo_core.lm.precision import MasterWeights, prefer_eager_attention, resolve_precision
 from ppo_core.lm.rollout import Rollout, generate, left_pad
 from ppo_core.lm.sharding import gradient_sync
 from ppo_core.ppo import checkpointing
@@ -135,6 +135,8 @@ class PPOTrainer:
         trained = (self.policy, self.value_module)
         if not self.dp.sharded:
             self.weights = [MasterWeights.cast(m, self.compute_dtype) for m in trained]
+            for m in trained:
+                prefer_eager_attention(m, self.device, self.compute_dtype)
         fsdp_bf16 = self.device.type == "cuda" and self.compute_dtype == torch.bfloat16
         self.grad_sync = gradient_sync(self.dp, trained, self.device, fsdp_bf16)
         if self.dp.sharded:  # the sharded parameters, fp32: a pass-through

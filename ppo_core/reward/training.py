@@ -26,7 +26,7 @@ from ppo_core.data.preferences import PreferenceRow
 from ppo_core.data.prompts import reward_eval_prompts
 from ppo_core.lm.models import freeze_below_top_blocks
 from ppo_core.lm.placement import Placement, resolve_placement
-from ppo_core.lm.precision import MasterWeights
+from ppo_core.lm.precision import MasterWeights, prefer_eager_attention
 from ppo_core.ppo.metrics import MetricsCallback
 from ppo_core.reward.config import RewardModelConfig
 from ppo_core.reward.model import RewardModel
@@ -224,6 +224,7 @@ def train_reward_model(
         freeze_below_top_blocks(rm.model, cfg.trainable_layers)
     rm.model.train()
     weights = MasterWeights.cast(rm.model, placement.dtype)  # bf16 compute, fp32 masters (or plain fp32)
+    prefer_eager_attention(rm.model, placement.device, placement.dtype)
     trainable = weights.master_params()
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     units = training_units(train_rows, cfg.group_by_prompt)

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
             logging_steps=1,
             seed=0,
             use_cpu=args.cpu,
-            bf16=False,
+            bf16=args.bf16,
             disable_tqdm=True,
         )
         trainer = PPOTrainer(
@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3, help="the first is a warm-up")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="force CPU even when CUDA is present")
+    parser.add_argument("--bf16", action="store_true",
+                        help="TRL's own bf16=True (accelerate's bf16 autocast; on the CPU too)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.export is not None:
