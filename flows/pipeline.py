@@ -30,6 +30,7 @@ from flows.logs import library_logs_at_info
 from flows.orphans import close_orphans
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
+from flows.runtime import release_free_heap
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
@@ -89,6 +90,7 @@ class StageRunner:
         if cached:
             trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
         self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result))
+        release_free_heap()
         kill_point(f"after:{label}")
         return result
 

@@ -18,6 +18,7 @@ from flows.faults import kill_point
 from flows.refs import EvalRef, PolicyCheckpoint, PreferenceSet, ReferenceRef, RewardModelRef
 from flows.registration import register_policy
 from flows.registry import set_alias
+from flows.runtime import release_free_heap
 from flows.stages.common import logger, placement, read_prompt_file, stage_dir
 from flows.tracking import TrackingContext, stage_run
 from ppo_core.config import DeviceConfig
@@ -110,6 +111,7 @@ def evaluate(
         policy = where.freeze(load_causal_lm(ckpt.path))
         rounds[ckpt.round] = evaluate_policy(policy, ref_model, held, ref_responses=ref_sample)
         del policy
+        release_free_heap()  # the round's weights, before the next round's load
     report = build_report(baseline, rounds, final=rounds[policies[-1].round], gates=cfg.gates)
     report_path = folder / "report.json"
     report_path.write_text(report.model_dump_json(indent=2))
