@@ -113,6 +113,8 @@ def _print_result(result: dict[str, Any]) -> None:
     typer.echo("")
     promoted = f" (round {result['champion_round']})" if result.get("champion") and result.get("champion_round") else ""
     typer.echo(f"Champion promoted: {result['champion']}{promoted}")
+    if result.get("resolved"):
+        typer.echo(f"Device: {result['resolved']['device']}, {result['resolved']['precision_reason']}")
     for label in ("reference_uri", "reward_model_uri", "policy_uri", "champion_uri"):
         if result.get(label):
             typer.echo(f"{label.replace('_uri', '').replace('_', ' '):<13} {result[label]}")

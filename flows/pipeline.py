@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import get_run_context
@@ -31,12 +32,14 @@ from flows.orphans import close_orphans
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
 from flows.runtime import release_free_heap
+from flows.stages.common import placement
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
 from flows.stages.reference import snapshot_reference
 from flows.stages.reward import train_reward_model
 from flows.summary import StageRecord, summary_markdown
+from ppo_core.config import DeviceConfig
 from ppo_core.lm.folders import remove_debris
 
 
@@ -143,8 +146,17 @@ def _open_tracking(cfg: PipelineConfig, work_dir: Path, flow_run_id: str) -> trk
         uri=uri, experiment_id=experiment_id, pipeline=cfg.name, flow_run_id=flow_run_id, config_hash=config_hash(cfg),
         register_models=cfg.tracking.register_models,
     )
-    ctx.parent_run_id = trk.open_parent_run(ctx, f"{cfg.name}-{flow_run_id[:8]}", cfg.model_dump(mode="json"))
+    ctx.parent_run_id = trk.open_parent_run(
+        ctx, f"{cfg.name}-{flow_run_id[:8]}", cfg.model_dump(mode="json"), resolved_device(cfg.orchestration.device)
+    )
     return ctx
+
+
+def resolved_device(device: DeviceConfig) -> dict[str, str]:
+    """What `device` and `precision` resolve to on this machine, and why (run params and summary)."""
+    where = placement(device)
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(where.dtype, str(where.dtype))
+    return {"device": str(where.device), "precision": dtype, "precision_reason": where.reason}
 
 
 @flow(name="rlhf_pipeline", log_prints=True)
@@ -239,4 +251,5 @@ def _run_stages(cfg: PipelineConfig, work_dir: Path, force: list[str] | None) ->
         "mlflow_uri": ctx.uri,
         "mlflow_parent_run_id": ctx.parent_run_id,
         "flow_run_id": flow_run_id,
+        "resolved": resolved_device(cfg.orchestration.device),
     }

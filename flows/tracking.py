@@ -110,9 +110,12 @@ def create_sqlite_store(uri: str) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def open_parent_run(ctx: TrackingContext, run_name: str, config: dict[str, Any]) -> str:
+def open_parent_run(
+    ctx: TrackingContext, run_name: str, config: dict[str, Any], resolved: dict[str, str] | None = None
+) -> str:
     """Continue the unfinished parent run of the same config, or start a new one (params: the
-    flattened resolved config; artifact: the resolved YAML)."""
+    flattened resolved config and `resolved`, what `auto` settings became on this machine, as
+    `resolved.NAME`; artifact: the resolved YAML)."""
     client = MlflowClient(ctx.uri)
     runs = client.search_runs(
         [ctx.experiment_id],
@@ -135,7 +138,7 @@ def open_parent_run(ctx: TrackingContext, run_name: str, config: dict[str, Any])
             "rlhf.code_version": code_version(),
         },
     )
-    _log_params(client, run.info.run_id, flatten(config))
+    _log_params(client, run.info.run_id, flatten(config) | {f"resolved.{k}": v for k, v in (resolved or {}).items()})
     client.log_text(run.info.run_id, yaml.safe_dump(config, sort_keys=False), "config.resolved.yaml")
     return run.info.run_id
 

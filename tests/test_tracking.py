@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+from ppo_core.lm.precision import resolve_precision
 
 pytest.register_assert_rewrite("tests.pipeline_fixtures")
 
@@ -105,6 +108,11 @@ def test_one_parent_run_with_a_child_run_per_stage(first_run: Run, tmp_path: Pat
     assert parent.data.tags["rlhf.config_hash"] == config_hash(load_cfg())
     assert parent.data.params["ppo.rounds"] == "2"  # the flattened resolved config
     assert parent.data.params["ppo.algo.learning_rate"] == "0.001"
+    # what `auto` became on this machine, and why: run params and the CLI summary's source
+    dtype, reason = resolve_precision(load_cfg().orchestration.device.precision, torch.device("cpu"))
+    assert parent.data.params["resolved.device"] == "cpu"
+    assert parent.data.params["resolved.precision"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    assert parent.data.params["resolved.precision_reason"] == reason == first_run.result["resolved"]["precision_reason"]
     assert parent.data.tags.get("rlhf.code_version")
     resolved_file = c.download_artifacts(parent_id, "config.resolved.yaml", str(tmp_path))
     resolved = yaml.safe_load(Path(resolved_file).read_text())
