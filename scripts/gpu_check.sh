@@ -6,7 +6,7 @@
 #      else install into .venv (CUDA torch from PyPI when nvidia-smi exists; scripts/install.sh)
 #   2. bench_ppo.py on SmolLM2-135M in bf16 on CUDA: seconds, tokens/s and peak memory per phase
 #      (batch 8 as in the CPU figures, and batch 64)
-#   3. the default pipeline on CUDA (bf16 autocast is DeviceConfig's default there), wall time per
+#   3. the default pipeline on CUDA (precision auto resolves to bf16 there), wall time per
 #      stage from MLflow, gold/KL from the evaluation report
 # Usage: OUT=/path bash scripts/gpu_check.sh
 set -euo pipefail
@@ -25,7 +25,7 @@ fi
 export PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_ENABLE_TELEMETRY=false DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/torch.txt"
 for batch in 8 64; do
-  "$PY" tests/bench/bench_ppo.py --model smollm2 --device cuda --bf16 --batch "$batch" --new-tokens 32 \
+  "$PY" tests/bench/bench_ppo.py --model smollm2 --device cuda --precision bf16 --batch "$batch" --new-tokens 32 \
     --epochs 4 --minibatches 1 --critic separate --iterations 4 --json "$OUT/bench-b$batch.json" \
     > "$OUT/bench-b$batch.log" 2>&1
   tail -8 "$OUT/bench-b$batch.log"

@@ -38,7 +38,7 @@ def test_every_stage_runs_its_models_where_the_one_resolver_places_them(
 
     def resolver(cfg):
         context = TaskRunContext.get()
-        asked.append((context.task.name if context else "-", cfg.device))
+        asked.append((context.task.name if context else "the flow", cfg.device))
         return Recording(torch.device("cpu"))
 
     def check(module: torch.nn.Module, args: tuple) -> None:
@@ -55,7 +55,10 @@ def test_every_stage_runs_its_models_where_the_one_resolver_places_them(
     finally:
         hook.remove()
     assert run.result is not None, f"the run failed: {run.error!r}"
-    assert {stage for stage, _ in asked} == {"collect_preferences", "train_reward_model", "ppo_round", "evaluate"}
+    # the flow itself asks once, for the resolved device and precision it logs as run params
+    assert {stage for stage, _ in asked} == {
+        "the flow", "collect_preferences", "train_reward_model", "ppo_round", "evaluate"
+    }
     assert {device for _, device in asked} == {"cpu"}  # the config's choice reached the resolver
     assert set(ran) == {"collect_preferences", "train_reward_model", "ppo_round", "evaluate"}
     bad = {stage: sorted({r for r in runs if not r.endswith(": 0 unplaced")}) for stage, runs in ran.items()}
