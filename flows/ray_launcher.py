@@ -12,7 +12,7 @@ Storage: the workers read the job, the reference, the reward model and the promp
 folder, and rank 0 writes the round's checkpoints and exported policy into the round's folder,
 which the task then reads. So `orchestration.work_dir` must be on a filesystem that every Ray node
 mounts at the same path (one host: any folder; several: NFS or the like). A worker that cannot
-see the round's folder fails the round saying so. Ray Train's own run state goes to ROUND/ray.
+see the round's folder fails the round saying so. What the workers run is flows.ray_worker. Ray Train's own run state goes to ROUND/ray.
 
 Failures: a worker that dies or raises fails the round with one line naming each failed rank,
 its pid, node IP and node id (from the roster each worker writes when it starts, ROUND/ray/workers);
@@ -26,27 +26,23 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 import ray.train
-import torch
 from ray.exceptions import RayActorError
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from flows.config import RayLauncherConfig
+from flows.ray_worker import ROSTER, train_round_worker, worker_main
 from flows.runtime import DEFAULTS
 from flows.stages.common import logger
-from flows.workers import RoundJob, RoundOutput, train_round
+from flows.workers import RoundJob, RoundOutput
 from ppo_core.config import DeviceConfig
-from ppo_core.lm.distributed import DataParallel
 
-ROSTER = "workers"
-"""Folder (under a run's storage) where each worker records where it runs: rank-R.json."""
 RUN_NAME = "train"
 """Ray Train's run folder under the storage (replaced by every launch)."""
 FORWARDED = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *DEFAULTS)
@@ -58,26 +54,16 @@ class RoundFailed(RuntimeError):
     """A Ray round failed: the message is one line naming the failed workers and nodes."""
 
 
-class SharedStorageError(RuntimeError):
-    """A worker cannot see the run's storage: the work folder is not shared with its node."""
-
-
 def train_round_on_ray(job: RoundJob) -> RoundOutput:
     """Train the round on `job.ppo.processes` Ray Train workers; rank 0's outputs come back."""
     spec = Path(job.folder) / "job.json"
     spec.write_text(job.model_dump_json())
     value = run_on_workers(
-        _train_round_worker, (str(spec),), job.ppo.processes, job.ppo.ray, job.device,
+        train_round_worker, (str(spec),), job.ppo.processes, job.ppo.ray, job.device,
         storage=Path(job.folder) / "ray", what=f"round {job.round_number}",
         hint=f"its checkpoints are in {job.state_dir}: run again to resume from the last one",
     )
     return RoundOutput.model_validate(value)
-
-
-def _train_round_worker(spec: str) -> dict[str, Any]:
-    """Each worker: the round of the job file, in the process group Ray Train set up."""
-    job = RoundJob.model_validate_json(Path(spec).read_text())
-    return train_round(job, DataParallel.from_env(sharding=job.ppo.sharding)).model_dump(mode="json")
 
 
 def run_on_workers(
@@ -108,7 +94,7 @@ def _trainer(
     threads = settings.cpus_per_worker
     env = {k: v for k, v in os.environ.items() if k.startswith("RLHF_") or k in FORWARDED}
     return TorchTrainer(
-        _worker_main,
+        worker_main,
         train_loop_config={"fn": fn, "args": args, "storage": str(storage), "threads": threads},
         scaling_config=ScalingConfig(
             num_workers=processes, use_gpu=use_gpu, resources_per_worker={"CPU": threads},
@@ -152,34 +138,6 @@ def _use_gpu(device: DeviceConfig) -> bool:
     if device.device == "auto":
         return ray.cluster_resources().get("GPU", 0) > 0
     return device.device == "cuda"
-
-
-# ---- on the workers ------------------------------------------------------------------------
-
-
-def _worker_main(config: dict[str, Any]) -> Any:
-    """What every Ray Train worker runs: check that it sees the storage, record where it runs,
-    then fn(*args)."""
-    storage, where = Path(config["storage"]), whereabouts()
-    if not storage.is_dir():
-        raise SharedStorageError(
-            f"{storage} does not exist on node {where['node_ip']} ({where['host']}): the work folder "
-            "(orchestration.work_dir) must be on storage every Ray node mounts at the same path"
-        )
-    (storage / ROSTER / f"rank-{where['rank']}.json").write_text(json.dumps(where))
-    torch.set_num_threads(config["threads"])
-    return config["fn"](*config["args"])
-
-
-def whereabouts() -> dict[str, Any]:
-    """This worker's rank, pid, host, node IP and Ray node id."""
-    return {
-        "rank": ray.train.get_context().get_world_rank(),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "node_ip": ray.util.get_node_ip_address(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-    }
 
 
 # ---- reporting a failure -------------------------------------------------------------------

@@ -38,6 +38,23 @@ def test_importing_ppo_core_loads_neither_at_runtime() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _loaded_by(modules: str, roots: tuple[str, ...]) -> list[str]:
+    code = f"import sys, {modules}; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(roots)!r}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return eval(result.stdout.strip().splitlines()[-1])  # the printed list of names
+
+
+def test_training_processes_do_not_import_prefect() -> None:
+    """A torchrun rank runs flows.workers and a Ray Train worker flows.ray_worker: neither has a
+    Prefect run, so neither pays for importing Prefect; and the module Ray imports in its Train
+    controller and in each worker before anything runs loads no torch, transformers or MLflow."""
+    assert _loaded_by("flows.workers", ("prefect",)) == []
+    assert _loaded_by("flows.ray_worker", ("prefect", "torch", "transformers", "mlflow")) == []
+    # the check can fail: the launcher, in the Prefect task's process, loads torch through flows.workers
+    assert _loaded_by("flows.ray_launcher", ("prefect", "torch")) == ["torch"]
+
+
 def test_cli_version() -> None:
     result = subprocess.run([sys.executable, "-m", "flows.cli", "--version"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("rlhf "), result.stdout + result.stderr

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
-
-from prefect import get_run_logger
-from prefect.exceptions import MissingContextError
 
 from ppo_core.config import DeviceConfig
 from ppo_core.lm import placement as lm_placement
@@ -15,10 +13,17 @@ from ppo_core.lm.placement import Placement
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("rlhf")
+    """The Prefect run's logger inside a flow or task run, else the "rlhf" logger. A process that
+    never imported Prefect (a torchrun rank, a Ray Train worker) has no run: it does not import it."""
+    if "prefect" in sys.modules:
+        from prefect import get_run_logger
+        from prefect.exceptions import MissingContextError
+
+        try:
+            return get_run_logger()
+        except MissingContextError:
+            pass
+    return logging.getLogger("rlhf")
 
 
 def placement(device: DeviceConfig) -> Placement:
