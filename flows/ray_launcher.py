@@ -12,7 +12,8 @@ Storage: the workers read the job, the reference, the reward model and the promp
 folder, and rank 0 writes the round's checkpoints and exported policy into the round's folder,
 which the task then reads. So `orchestration.work_dir` must be on a filesystem that every Ray node
 mounts at the same path (one host: any folder; several: NFS or the like). A worker that cannot
-see the round's folder fails the round saying so. What the workers run is flows.ray_worker. Ray Train's own run state goes to ROUND/ray.
+see the round's folder fails the round saying so. Ray Train's own run state goes to ROUND/ray.
+What the workers run is flows.ray_worker (light to import: Ray imports it in its Train controller).
 
 Failures: a worker that dies or raises fails the round with one line naming each failed rank,
 its pid, node IP and node id (from the roster each worker writes when it starts, ROUND/ray/workers);

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,7 @@ def worker_main(config: dict[str, Any]) -> Any:
     import torch
 
     torch.set_num_threads(config["threads"])
-    fn: Callable[..., Any] = config["fn"]
-    return fn(*config["args"])
+    return config["fn"](*config["args"])
 
 
 def train_round_worker(spec: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,21 +29,18 @@ def test_no_module_under_ppo_core_imports_prefect_or_mlflow() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_importing_ppo_core_loads_neither_at_runtime() -> None:
-    code = (
-        "import sys, ppo_core, ppo_core.ppo.trainer, ppo_core.lm.rollout;"
-        "bad=[m for m in sys.modules if m.split('.')[0] in ('prefect','mlflow')];"
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
 def _loaded_by(modules: str, roots: tuple[str, ...]) -> list[str]:
-    code = f"import sys, {modules}; print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(roots)!r}))"
+    """Which of the top-level packages `roots` a fresh interpreter has loaded after importing
+    `modules` (a comma-separated import list)."""
+    code = (f"import json, sys, {modules}; "
+            f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(roots)!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    return eval(result.stdout.strip().splitlines()[-1])  # the printed list of names
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_ppo_core_loads_neither_at_runtime() -> None:
+    assert _loaded_by("ppo_core, ppo_core.ppo.trainer, ppo_core.lm.rollout", ("prefect", "mlflow")) == []
 
 
 def test_training_processes_do_not_import_prefect() -> None:
