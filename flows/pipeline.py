@@ -41,6 +41,7 @@ from flows.stages.reward import train_reward_model
 from flows.summary import StageRecord, summary_markdown
 from ppo_core.config import DeviceConfig
 from ppo_core.lm.folders import remove_debris
+from ppo_core.lm.peak_memory import PeakMemory
 
 
 def config_hash(cfg: PipelineConfig) -> str:
@@ -78,7 +79,7 @@ class StageRunner:
         self.records: list[StageRecord] = []
 
     def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, memory = time.perf_counter(), PeakMemory().start()
         state = self._configured(stage_task, refresh=stage in self.forced)(return_state=True, **kwargs)
         result = _result(state, label)
         cached = state.name == "Cached"
@@ -92,7 +93,9 @@ class StageRunner:
             result, cached = _result(state, label), False
         if cached:
             trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
-        self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result))
+        peaks = memory.read()
+        trk.log_stage_memory(self.ctx, label, peaks)
+        self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result, peaks))
         release_free_heap()
         kill_point(f"after:{label}")
         return result

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flows.config import PipelineConfig
@@ -16,6 +16,8 @@ class StageRecord:
     seconds: float
     headline: dict[str, Any]
     result: Any
+    memory: dict[str, float] = field(default_factory=dict)
+    """Peaks of this process while the stage ran (ppo_core.lm.peak_memory.PeakMemory)."""
 
 
 def _fmt(value: Any) -> str:
@@ -24,16 +26,22 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _peaks(memory: dict[str, float]) -> str:
+    rss = f"{memory['peak_rss_mib']:,.0f}" if "peak_rss_mib" in memory else "-"
+    return f"{rss} (CUDA {memory['peak_cuda_mib']:,.0f})" if "peak_cuda_mib" in memory else rss
+
+
 def summary_markdown(cfg: PipelineConfig, ctx: TrackingContext, records: list[StageRecord], failed: bool) -> str:
     lines = [
         f"# RLHF pipeline `{cfg.name}` — {'FAILED' if failed else 'finished'}",
         "",
-        "| stage | status | seconds | headline |",
-        "|---|---|---:|---|",
+        "| stage | status | seconds | peak RSS MiB | headline |",
+        "|---|---|---:|---:|---|",
     ]
     for r in records:
         head = ", ".join(f"{k}={_fmt(v)}" for k, v in r.headline.items())
-        lines.append(f"| {r.label} | {'Cached' if r.cached else 'Ran'} | {r.seconds:.1f} | {head} |")
+        lines.append(f"| {r.label} | {'Cached' if r.cached else 'Ran'} | {r.seconds:.1f} | {_peaks(r.memory)} | {head} |")
+    lines += ["", "Peak memory is this process's (torchrun ranks and Ray workers are other processes)."]
     models = [(r.label, getattr(r.result, "model_uri", None)) for r in records if getattr(r.result, "model_uri", None)]
     if models:
         lines += ["", "**Registered models**", ""] + [f"- {label}: `{uri}`" for label, uri in models]

@@ -217,6 +217,16 @@ def record_cached(ctx: TrackingContext, stage: str, producer_run_id: str | None,
     client.set_terminated(run.info.run_id)
 
 
+def log_stage_memory(ctx: TrackingContext, stage: str, peaks: dict[str, float]) -> None:
+    """A stage's peak memory in this process (`ppo_core.lm.peak_memory`) as parent-run metrics
+    `memory/<stage>/peak_rss_mib` (and `.../peak_cuda_mib`): one chart compares the stages."""
+    if not ctx.parent_run_id or not peaks:
+        return
+    now = int(time.time() * 1000)
+    metrics = [mlflow.entities.Metric(f"memory/{stage}/{key}", value, now, 0) for key, value in peaks.items()]
+    MlflowClient(ctx.uri).log_batch(ctx.parent_run_id, metrics=metrics)
+
+
 class MetricLogger:
     """The bridge from ppo_core's on_metrics(step, dict) callback to an MLflow run; without a
     run (data-parallel ranks other than 0) it only keeps the history."""

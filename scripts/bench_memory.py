@@ -33,6 +33,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ppo_core.lm.peak_memory import reset_rss_peak, rss_bytes, rss_peak_bytes  # noqa: E402
+
 CASES: dict[str, dict[str, Any]] = {
     "fp32": {"overrides": []},
     "fp32, 16 rows per micro-batch": {"overrides": ["ppo.algo.batch_size=16", "ppo.algo.num_mini_batches=1"]},
@@ -52,11 +54,6 @@ BASE_OVERRIDES = ["ppo.algo.batch_size=8"]
 
 
 # ---- memory readings ----------------------------------------------------------------------
-def _status(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024
-
-
 def _fix_mmap_threshold() -> None:
     """glibc's mallopt(M_MMAP_THRESHOLD, ...), as MALLOC_MMAP_THRESHOLD_ would set it."""
     ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD (malloc.h)
@@ -65,10 +62,6 @@ def _fix_mmap_threshold() -> None:
 def _trim() -> None:
     """Hand freed heap pages back to the OS, so RSS counts live memory (glibc)."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -108,7 +101,7 @@ def _build(cfg, frozen_bf16: bool):
     texts, _ = split_prompts(load_prompts(cfg.prompts), cfg.prompts.heldout_fraction)
     prompt_ids = encode_prompts(tokenizer, texts, cfg.prompts)
     _trim()
-    baseline = _status("VmRSS")
+    baseline = rss_bytes()
     device = cfg.orchestration.device.model_copy(update={"device": "cpu"})
     frozen = torch.bfloat16 if frozen_bf16 else resolve_precision(device.precision, torch.device("cpu"))[0]
     policy = load_causal_lm(source)
@@ -193,12 +186,12 @@ def _phase_peaks(trainer, iterations: int) -> tuple[dict[str, int], list[float],
     def wrap(name: str, fn):
         def measured(*args):
             _trim()  # what glibc keeps of the last phase's frees is not this phase's memory
-            _reset_peak()
+            reset_rss_peak()
             tokens.clear()
             try:
                 return fn(*args)
             finally:
-                peaks[name] = max(peaks[name], _status("VmHWM"))
+                peaks[name] = max(peaks[name], rss_peak_bytes())
                 packed[name] += tokens
         return measured
 
@@ -226,7 +219,7 @@ def run_case(name: str, iterations: int, threads: int) -> dict[str, Any]:
     cfg = _config(case)
     trainer, rm, prompt_ids, baseline = _build(cfg, case.get("frozen_bf16", False))
     _trim()  # loading dequantises the GGUF through temporary copies
-    built = _status("VmRSS") - baseline
+    built = rss_bytes() - baseline
     peaks, seconds, packed_tokens = _phase_peaks(trainer, iterations)
     prompt_tokens, prefix = max(len(p) for p in prompt_ids), _shared_prefix(prompt_ids)
     estimate = _estimate(cfg, prompt_tokens, prefix, case.get("frozen_bf16", False), trainer.compute_dtype == torch.bfloat16)

@@ -220,6 +220,7 @@ def first_run(main_folder: Path) -> Run:
     run = run_pipeline(main_folder)
     assert run.result is not None, f"first run failed: {run.error!r}"
     run.notes["stage_folders"] = stage_folders(main_folder)
+    run.notes["summary"] = (main_folder / ".rlhf" / "tiny" / "last_summary.md").read_text()
     run.notes["registry"] = registry_snapshot(run.tracking_uri)
     run.notes["stages_after"] = stage_status(main_folder)
     run.notes["stages_new_lr"] = stage_status(main_folder, [NEW_LR])

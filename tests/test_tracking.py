@@ -126,6 +126,18 @@ def test_one_parent_run_with_a_child_run_per_stage(first_run: Run, tmp_path: Pat
     assert {r.data.tags["rlhf.cached"] for r in children} == {"false"}
 
 
+def test_each_stage_peak_memory_in_the_parent_run_and_the_summary(first_run: Run) -> None:
+    """Per stage, this process's peak RSS while it ran: a parent-run metric and a summary column
+    (tests/test_memory.py checks the measurement itself)."""
+    metrics = client(first_run).get_run(first_run.result["mlflow_parent_run_id"]).data.metrics
+    peaks = {stage: metrics[f"memory/{stage}/peak_rss_mib"] for stage in STAGES}
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in first_run.notes["summary"].splitlines()}
+    for stage, peak in peaks.items():
+        assert 100 < peak < 64 * 1024, (stage, peak)
+        assert rows[stage][3] == f"{peak:,.0f}", (stage, rows[stage])
+    assert "peak RSS MiB" in first_run.notes["summary"]
+
+
 def test_cached_stages_are_recorded_as_cached_child_runs(first_run: Run, second_run: Run) -> None:
     parent_id = second_run.result["mlflow_parent_run_id"]
     assert parent_id != first_run.result["mlflow_parent_run_id"]  # the first one finished

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -17,31 +16,18 @@ from transformers import GenerationConfig
 
 from ppo_core import PPOTrainer, Rollout
 from ppo_core.lm.logprobs import position_ids_from_mask
+from ppo_core.lm.peak_memory import reset_rss_peak, rss_peak_bytes
 from ppo_core.lm.rollout import left_pad
 
 
 # ---- measuring ------------------------------------------------------------------------
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as handle:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", handle.read()).group(1)) * 1024
-
-
-def _reset_cpu_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 class Meter:
     """Wall time (device-synchronised) and peak memory of named phases."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.rows: list[dict[str, dict[str, float]]] = []
-        self.peak_resettable = device.type == "cuda" or _reset_cpu_peak()
+        self.peak_resettable = device.type == "cuda" or reset_rss_peak()
         self.current: str | None = None
 
     def new_iteration(self) -> None:
@@ -61,8 +47,8 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(self.device)
             start_mem = torch.cuda.memory_allocated(self.device)
         else:
-            _reset_cpu_peak()
-            start_mem = _vm_hwm_bytes()
+            reset_rss_peak()
+            start_mem = rss_peak_bytes()
         outer, self.current = self.current, name
         t0, c0 = time.perf_counter(), time.process_time()
         try:
@@ -74,7 +60,7 @@ class Meter:
             peak = (
                 torch.cuda.max_memory_allocated(self.device)
                 if self.device.type == "cuda"
-                else _vm_hwm_bytes()
+                else rss_peak_bytes()
             )
             row = self.rows[-1][name]
             row["s"] += elapsed
