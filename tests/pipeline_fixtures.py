@@ -198,6 +198,10 @@ def main_folder(pipeline_env: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return tmp_path_factory.mktemp("main")
 
 
+NAMES = ("tiny-reward-model", "tiny-reference", "tiny-policy")
+"""The models configs/tiny.yaml registers."""
+
+
 def registry_snapshot(uri: str) -> dict[str, dict[str, Any]]:
     """name -> {versions, aliases, tags per version}, as it is now."""
     from mlflow import MlflowClient
