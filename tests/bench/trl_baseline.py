@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
             save_strategy="no",
             logging_steps=1,
             seed=0,
-            use_cpu=args.cpu,
+            # without use_cpu, transformers 4.53 checks bf16 only against a GPU and refuses it
+            use_cpu=args.cpu or not torch.cuda.is_available(),
             bf16=args.bf16,
             disable_tqdm=True,
         )
