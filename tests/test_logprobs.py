@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from ppo_core.config import SamplingConfig
-from ppo_core.lm.logprobs import position_ids_from_mask, response_logprobs, selective_log_softmax
+from ppo_core.lm.logprobs import (
+    log_softmax_and_entropy,
+    position_ids_from_mask,
+    response_logprobs,
+    selective_log_softmax,
+)
 from ppo_core.lm.rollout import Rollout, generate, left_pad
 from ppo_core.ppo.kl import kl_estimate
 from ppo_core.ppo.rewards import token_rewards
@@ -30,6 +35,32 @@ def test_selective_log_softmax_equals_log_softmax_gather(chunk_size: int) -> Non
     got = selective_log_softmax(logits, index, chunk_size)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert got.shape == index.shape and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 4096])
+def test_fused_log_softmax_and_entropy_equal_their_definitions(chunk_size: int) -> None:
+    gen = torch.Generator().manual_seed(chunk_size)
+    logits = (torch.randn(3, 5, 11, generator=gen) * 4).bfloat16()  # bf16 logits, as the trainer's
+    index = torch.randint(0, 11, (3, 5), generator=gen)
+    logprobs, entropy = log_softmax_and_entropy(logits, index, chunk_size)
+    logp = torch.log_softmax(logits.double(), -1)
+    assert logprobs.dtype == entropy.dtype == torch.float32 and entropy.shape == index.shape
+    assert torch.equal(logprobs, selective_log_softmax(logits, index, chunk_size))
+    torch.testing.assert_close(entropy.double(), -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_fused_entropy_has_a_gradient_only_when_asked(entropy_grad: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 9, generator=gen) * 3).requires_grad_()
+    index = torch.randint(0, 9, (4,), generator=gen)
+    logprobs, entropy = log_softmax_and_entropy(logits, index, chunk_size=3, entropy_grad=entropy_grad)
+    assert logprobs.requires_grad and entropy.requires_grad == entropy_grad
+    if entropy_grad:  # d(sum H)/dl equals autograd through the textbook -sum p log p
+        (grad,) = torch.autograd.grad(entropy.sum(), logits)
+        logp = torch.log_softmax(logits, -1)
+        (expected,) = torch.autograd.grad(-(logp.exp() * logp).sum(), logits)
+        torch.testing.assert_close(grad, expected, atol=1e-5, rtol=0)
 
 
 def test_position_ids_count_real_tokens_only() -> None:

@@ -120,6 +120,7 @@ def test_entropy_from_logits_matches_definition() -> None:
     logits = torch.randn(4, 7, 11, dtype=torch.float64) * 3
     logp = torch.log_softmax(logits, -1)
     torch.testing.assert_close(entropy_from_logits(logits), -(logp.exp() * logp).sum(-1))
+    torch.testing.assert_close(entropy_from_logits(logits, torch.logsumexp(logits, -1)), entropy_from_logits(logits))
 
 
 def test_explained_variance_perfect_constant_and_worse() -> None:

@@ -17,7 +17,10 @@ from torch import nn
 from ppo_core.lm.packing import position_ids_from_mask, response_states
 from ppo_core.ppo.losses import entropy_from_logits
 
-__all__ = ["position_ids_from_mask", "response_logits", "response_logprobs", "selective_log_softmax"]
+__all__ = [
+    "log_softmax_and_entropy", "position_ids_from_mask", "response_logits", "response_logprobs",
+    "selective_log_softmax",
+]
 
 
 def selective_log_softmax(
@@ -34,10 +37,22 @@ def selective_log_softmax(
     return out.view(index.shape)
 
 
-def chunked_entropy(logits: torch.Tensor, chunk_size: int = 4096) -> torch.Tensor:
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = [entropy_from_logits(flat[s : s + chunk_size].float()) for s in range(0, flat.shape[0], chunk_size)]
-    return torch.cat(parts).view(logits.shape[:-1])
+def log_softmax_and_entropy(
+    logits: torch.Tensor, index: torch.Tensor, chunk_size: int = 4096, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """selective_log_softmax and the entropy of the same rows from one fp32 copy and one
+    logsumexp per chunk. Without `entropy_grad` (ent_coef = 0: the entropy is only logged) the
+    entropy is computed without autograd; the log-probs keep theirs."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    logprobs, entropy = [], []
+    for start in range(0, flat_logits.shape[0], chunk_size):
+        rows = flat_logits[start : start + chunk_size].float()
+        lse = torch.logsumexp(rows, dim=-1)
+        logprobs.append(rows.gather(-1, flat_index[start : start + chunk_size, None]).squeeze(-1) - lse)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy.append(entropy_from_logits(rows, lse))
+    return torch.cat(logprobs).view(index.shape), torch.cat(entropy).view(index.shape)
 
 
 def response_logits(

@@ -73,10 +73,12 @@ def clipped_value_loss(
     return loss, {"clipfrac": clipfrac}
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(l) - sum softmax(l) * l, per position, without a log-softmax copy."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
+    """H = logsumexp(l) - sum softmax(l) * l, per position, without a log-softmax copy; pass
+    `logsumexp` when the caller has it already (softmax(l) = exp(l - logsumexp(l)))."""
+    lse = torch.logsumexp(logits, dim=-1) if logsumexp is None else logsumexp
+    probs = (logits - lse.unsqueeze(-1)).exp()
+    return lse - (probs * logits).sum(-1)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

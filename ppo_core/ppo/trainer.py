@@ -23,7 +23,12 @@ from transformers import PreTrainedTokenizerBase
 
 from ppo_core.config import DeviceConfig, SamplingConfig
 from ppo_core.lm.distributed import DataParallel
-from ppo_core.lm.logprobs import chunked_entropy, response_logprobs, selective_log_softmax
+from ppo_core.lm.logprobs import (
+    log_softmax_and_entropy,
+    response_logits,
+    response_logprobs,
+    selective_log_softmax,
+)
 from ppo_core.lm.masked import masked_mean, masked_sum
 from ppo_core.lm.models import disable_dropout, pick_device, stop_token_ids
 from ppo_core.lm.packing import response_states
@@ -53,9 +58,9 @@ from ppo_core.ppo.value import CriticModel, SharedValueHead
 
 
 class PolicyOutput(NamedTuple):
-    logprobs: torch.Tensor
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
+    logprobs: torch.Tensor  # [batch, response_len] fp32, log pi_theta(a_t | s_t)
+    entropy: torch.Tensor | None  # [batch, response_len] fp32, H(pi_theta(. | s_t)); None unless asked
+    hidden: torch.Tensor | None  # [batch, response_len + 1, hidden]: shared value head only
 
 
 class NonFiniteError(RuntimeError):
@@ -241,19 +246,20 @@ class PPOTrainer:
             torch.cat(values).float() * mask, self.kl_ctl.value, reduce=self.dp.sum,
         )
 
-    def _policy_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> PolicyOutput:
-        """Policy log-probs and logits of the response; with a shared value head also the final
-        hidden states, so values cost no second trunk forward."""
-        cfg = self.config
+    def _policy_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int, entropy: bool = False) -> PolicyOutput:
+        """Policy log-probs of the response (and its entropy, from the same log-softmax); with a
+        shared value head also the final hidden states, so values cost no second trunk forward."""
+        cfg, temperature = self.config, self.sampling.temperature
+        hidden = None
         if self.shared_head is None:
-            logprobs, logits = response_logprobs(
-                self.policy, ids, am, n, self.sampling.temperature, cfg.logprob_chunk_size, cfg.pack_sequences
-            )
-            return PolicyOutput(logprobs, logits, None)
-        logits, hidden = response_states(self.policy, ids, am, n + 1, True, cfg.pack_sequences)
-        logits = logits[:, :-1, :] / self.sampling.temperature
-        logprobs = selective_log_softmax(logits, ids[:, -n:], self.config.logprob_chunk_size)
-        return PolicyOutput(logprobs, logits, hidden)
+            logits = response_logits(self.policy, ids, am, n, temperature, cfg.pack_sequences)
+        else:
+            logits, hidden = response_states(self.policy, ids, am, n + 1, True, cfg.pack_sequences)
+            logits = logits[:, :-1, :] / temperature
+        if not entropy:
+            return PolicyOutput(selective_log_softmax(logits, ids[:, -n:], cfg.logprob_chunk_size), None, hidden)
+        logprobs, entropies = log_softmax_and_entropy(logits, ids[:, -n:], cfg.logprob_chunk_size, cfg.ent_coef > 0)
+        return PolicyOutput(logprobs, entropies, hidden)
 
     def _values(self, ids: torch.Tensor, am: torch.Tensor, n: int, hidden: torch.Tensor | None) -> torch.Tensor:
         if self.critic is not None:
@@ -321,7 +327,7 @@ class PPOTrainer:
         return tuple(float(torch.nn.utils.clip_grad_norm_(g, limit)) for g in groups)  # type: ignore[return-value]
 
     def _train_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> tuple[PolicyOutput, torch.Tensor]:
-        policy_out = self._policy_forward(ids, am, n)
+        policy_out = self._policy_forward(ids, am, n, entropy=True)
         return policy_out, self._values(ids, am, n, policy_out.hidden)
 
     def _micro_step(self, mb: Experience, n_tokens: float, weight: float = 1.0) -> dict[str, float]:
@@ -331,11 +337,9 @@ class PPOTrainer:
         cfg, mask = self.config, mb.mask
         ids, am, n = mb.rollout.input_ids, mb.rollout.attention_mask, mb.rollout.response_len
         policy_out, values = self.grad_sync(self._train_forward, ids, am, n)
-        logprobs = policy_out.logprobs
+        logprobs, entropy = policy_out.logprobs, policy_out.entropy
         pg_loss, pg = clipped_surrogate_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.cliprange, n_tokens)
         vf_loss, vf = clipped_value_loss(values, mb.values, mb.returns, mask, cfg.cliprange_value, n_tokens)
-        with torch.set_grad_enabled(cfg.ent_coef > 0):
-            entropy = chunked_entropy(policy_out.logits, cfg.logprob_chunk_size)
         loss = pg_loss + cfg.vf_coef * vf_loss - cfg.ent_coef * masked_sum(entropy, mask) / n_tokens
         if not cfg.kl.in_reward:
             kl = kl_penalty_per_token(logprobs, mb.old_logprobs, mb.ref_logprobs, cfg.kl.estimator)

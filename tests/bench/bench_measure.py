@@ -190,8 +190,8 @@ def install_profile(
         module.selective_log_softmax = meter.wrap(
             "log_softmax", module.selective_log_softmax, part=True
         )
-    ppo_core.ppo.trainer.chunked_entropy = meter.wrap(
-        "entropy", ppo_core.ppo.trainer.chunked_entropy, part=True
+    ppo_core.ppo.trainer.log_softmax_and_entropy = meter.wrap(
+        "log_softmax+entropy", ppo_core.ppo.trainer.log_softmax_and_entropy, part=True
     )
 
 
