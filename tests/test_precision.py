@@ -71,28 +71,6 @@ def test_fp32_masters_train_bf16_weights_like_fp32_training() -> None:
     torch.testing.assert_close(mixed.master_params()[0].detach(), fp32.weight.detach(), atol=0.05, rtol=0.02)
 
 
-def test_master_gradients_are_the_fp32_sum_of_the_micro_batches_in_one_reused_buffer() -> None:
-    torch.manual_seed(0)
-    module = nn.Linear(16, 4)
-    weights = MasterWeights.cast(module, torch.bfloat16)
-    opt = torch.optim.SGD(weights.master_params(), lr=0.1)
-    buffers = []
-    for _ in range(3):
-        opt.zero_grad(set_to_none=True)
-        expected = [torch.zeros_like(m) for m in weights.master_params()]
-        for _ in range(2):  # two micro-batches
-            module(torch.randn(8, 16, dtype=torch.bfloat16)).square().sum().backward()
-            for total, param in zip(expected, module.parameters(), strict=True):
-                total += param.grad.float()
-            weights.accumulate_grads()
-        assert all(p.grad is None for p in module.parameters())
-        assert all(torch.equal(m.grad, e) for m, e in zip(weights.master_params(), expected, strict=True))
-        buffers.append([m.grad.data_ptr() for m in weights.master_params()])
-        opt.step()
-        weights.publish()
-    assert buffers[0] == buffers[1] == buffers[2]  # no fresh fp32 gradient memory per step
-
-
 def test_updates_below_bf16_resolution_accumulate_in_the_masters() -> None:
     """A weight of 1.0 (bf16 spacing there: 2^-7) taking 100 steps of 1e-4: bf16 weights alone
     round every step back to 1.0; the fp32 master reaches 0.99, and the bf16 weight follows."""

@@ -70,7 +70,6 @@ class MasterWeights:
             self.masters = self.params
         else:
             self.masters = masters or [nn.Parameter(p.detach().float().clone()) for p in self.params]
-        self.grad_buffers: list[torch.Tensor] | None = None
 
     @classmethod
     def cast(cls, module: nn.Module, dtype: torch.dtype) -> MasterWeights:
@@ -86,22 +85,14 @@ class MasterWeights:
         return self.masters
 
     def accumulate_grads(self) -> None:
-        """Add the bf16 gradients to the masters' and release them. A master's gradient lives in
-        one fp32 buffer kept for the whole run: a fresh one per step would be ~0.5 GB of new pages
-        for a 135M model, whose page faults cost more than the copy (tests/bench/README.md)."""
         if not self.mixed:
             return
-        if self.grad_buffers is None:
-            self.grad_buffers = [torch.empty_like(m) for m in self.masters]
-        with torch.no_grad():
-            for param, master, buffer in zip(self.params, self.masters, self.grad_buffers, strict=True):
-                if param.grad is None:
-                    continue
-                if master.grad is None:
-                    master.grad = buffer.copy_(param.grad)
-                else:
-                    master.grad.add_(param.grad)
-                param.grad = None
+        for param, master in zip(self.params, self.masters, strict=True):
+            if param.grad is None:
+                continue
+            grad = param.grad.float()
+            master.grad = grad if master.grad is None else master.grad.add_(grad)
+            param.grad = None
 
     @torch.no_grad()
     def publish(self) -> None:
