@@ -160,7 +160,7 @@ class PlainBaselines:
 
 
 def install_profile(
-    meter: Meter, trainer: PPOTrainer, scorer: torch.nn.Module, plain: PlainBaselines
+    meter: Meter, trainer: PPOTrainer, scorer: torch.nn.Module, plain: PlainBaselines | None
 ) -> None:
     """--profile: book forwards, backward, optimizer, master-weight copies, log-softmax and entropy
     time inside each phase, so the update splits into forward / backward / optimizer (and the plain
@@ -173,13 +173,13 @@ def install_profile(
         (trainer.ref_model, "ref_forward"),
         (trainer.critic, "critic_forward"),
         (scorer.model.backbone, "reward_forward"),
-        (plain.policy, "policy_forward"),
-        (plain.critic, "critic_forward"),
     ]
+    if plain is not None:  # --no-ratios: no plain baselines to profile
+        forwards += [(plain.policy, "policy_forward"), (plain.critic, "critic_forward")]
     for module, name in forwards:
         if module is not None:
             module.forward = meter.wrap(name, module.forward, part=True)
-    for opt in [*trainer.optimizers, *plain.optimizers]:
+    for opt in [*trainer.optimizers, *(plain.optimizers if plain is not None else [])]:
         opt.step = meter.wrap("optimizer", opt.step, part=True)
     trainer._clip_gradients = meter.wrap("clip_grad", trainer._clip_gradients, part=True)
     torch.Tensor.backward = meter.wrap("backward", torch.Tensor.backward, part=True)

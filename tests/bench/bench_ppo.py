@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scorer.forward = meter.wrap("scoring", scorer_forward)
     trainer._experience = meter.wrap("scoring", trainer._experience)
     trainer._update = meter.wrap("update", trainer._update)
-    if args.profile and plain is not None:
+    if args.profile:
         install_profile(meter, trainer, scorer, plain)
     iterations = []
     for it in range(args.iterations):
@@ -261,6 +261,10 @@ def report(result: dict[str, Any]) -> None:
         f"{'iteration':<12}{result['iteration_s']:>10.3f}{result['iteration_cpu_s']:>10.3f}"
         f"   (mean 1-min load average {result['loadavg_1min']:.2f})"
     )
+    if result["profile_s"]:
+        print("profile (seconds inside each phase; the rest of a phase is glue):")
+        for name, seconds in result["profile_s"].items():
+            print(f"  {name:<36}{seconds:>9.3f}")
     if result["ratio_generation_vs_plain_generate"] is None:
         print("ratios (a) and (b) not measured (--no-ratios)")
         return
@@ -272,10 +276,6 @@ def report(result: dict[str, Any]) -> None:
         f"(b) update / (epochs x plain step) = {result['ratio_update_vs_plain_steps']:.3f}"
         f"   (plain step {result['plain_train_step_s']:.3f} s; target <= 1.3)"
     )
-    if result["profile_s"]:
-        print("profile (seconds inside each phase; the rest of a phase is glue):")
-        for name, seconds in result["profile_s"].items():
-            print(f"  {name:<36}{seconds:>9.3f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
