@@ -85,8 +85,8 @@ def response_logprobs(
     packed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens (the last response_len columns of input_ids), and the
-    temperature-scaled logits they came from (for the entropy, which the caller may need with
-    or without a gradient)."""
+    temperature-scaled logits they came from (the trainer's own forwards take the entropy from
+    log_softmax_and_entropy instead)."""
     logits = response_logits(model, input_ids, attention_mask, response_len, temperature, packed)
     tokens = input_ids[:, -response_len:]
     return selective_log_softmax(logits, tokens, chunk_size), logits
