@@ -12,6 +12,7 @@ Activation elements per token and layer: 4h + 5*a*d + 4I = 128 + 160 + 256 = 544
 from __future__ import annotations
 
 import copy
+import mmap
 import os
 import subprocess
 import sys
@@ -307,9 +308,17 @@ def test_peak_memory_sees_a_freed_allocation_and_resets() -> None:
         pytest.skip("no resettable RSS high-water mark (not Linux)")
     before = rss_bytes() / 2**20
     meter = PeakMemory().start()
-    block = torch.ones(64 * 2**20)  # 256 MiB, every page written
-    del block
+    # An anonymous mapping, so that closing it surely hands the pages back: a malloc'd block
+    # (torch.ones) can be carved from a free stretch of glibc's heap that malloc_trim had
+    # released, and its pages then stay resident after the free (seen once in CI).
+    block = mmap.mmap(-1, 256 * 2**20)
+    pages = torch.frombuffer(block, dtype=torch.uint8)
+    pages.fill_(1)  # every page written
+    del pages
+    block.close()
+    after = rss_bytes() / 2**20
     peak = meter.read()["peak_rss_mib"]
     assert peak >= before + 250, (before, peak)
+    assert after < peak - 200, (after, peak)  # the premise: the block's pages are gone
     again = PeakMemory().start().read()["peak_rss_mib"]
     assert again < peak - 200, (again, peak)
