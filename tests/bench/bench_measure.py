@@ -29,6 +29,7 @@ class Meter:
         self.rows: list[dict[str, dict[str, float]]] = []
         self.peak_resettable = device.type == "cuda" or reset_rss_peak()
         self.current: str | None = None
+        self.open_parts: set[str] = set()
 
     def new_iteration(self) -> None:
         self.rows.append(
@@ -70,17 +71,33 @@ class Meter:
 
     @contextlib.contextmanager
     def part(self, name: str):
-        """Time only, booked as "<enclosing phase>/<name>" (with --profile)."""
-        if self.current is None:
+        """Time only, booked as "<enclosing phase>/<name>" (with --profile); a part inside one
+        of the same name (a wrapped forward calling another) is booked once."""
+        if self.current is None or name in self.open_parts:
             yield
             return
         self.sync()
+        self.open_parts.add(name)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.sync()
+            self.open_parts.discard(name)
             self.rows[-1][f"{self.current}/{name}"]["s"] += time.perf_counter() - t0
+
+    def wrap_by_model(self, names: dict[int, str], fn: Callable) -> Callable:
+        """`fn(model, ...)` timed as the part `names[id(model)]` (untimed for other models)."""
+
+        @functools.wraps(fn)
+        def timed(model, *args, **kwargs):
+            name = names.get(id(model))
+            if name is None:
+                return fn(model, *args, **kwargs)
+            with self.part(name):
+                return fn(model, *args, **kwargs)
+
+        return timed
 
     def wrap(self, name: str, fn: Callable, part: bool = False) -> Callable:
         """`fn` timed as a phase (or a part); functools.wraps keeps its signature visible,
@@ -168,6 +185,12 @@ def install_profile(
     import ppo_core.lm.logprobs
     import ppo_core.ppo.trainer
 
+    # The packed scoring and training forwards call the trunk and the LM head, not `forward`.
+    packed = {id(trainer.policy): "policy_forward", id(trainer.ref_model): "ref_forward"}
+    if plain is not None:
+        packed[id(plain.policy)] = "policy_forward"
+    for module in (ppo_core.lm.logprobs, ppo_core.ppo.trainer):
+        module.response_states = meter.wrap_by_model(packed, module.response_states)
     forwards = [
         (trainer.policy, "policy_forward"),
         (trainer.ref_model, "ref_forward"),
