@@ -23,18 +23,25 @@ __all__ = [
 ]
 
 
+def _row_chunks(logits: torch.Tensor, index: torch.Tensor, chunk_size: int):
+    """(fp32 logit rows [c, V], their sampled indices [c]) for chunks of at most chunk_size rows;
+    one empty chunk for no rows."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_index = index.reshape(-1)
+    for start in range(0, max(flat_logits.shape[0], 1), chunk_size):
+        yield flat_logits[start : start + chunk_size].float(), flat_index[start : start + chunk_size]
+
+
+def _picked(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return rows.gather(-1, index[:, None]).squeeze(-1)
+
+
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, chunk_size: int = 4096
 ) -> torch.Tensor:
     """log softmax(logits)[index] along the last dim, chunked over rows to bound memory."""
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_index = index.reshape(-1)
-    out = torch.empty(flat_index.shape, dtype=torch.float32, device=logits.device)
-    for start in range(0, flat_logits.shape[0], chunk_size):
-        rows = flat_logits[start : start + chunk_size].float()
-        picked = rows.gather(-1, flat_index[start : start + chunk_size, None]).squeeze(-1)
-        out[start : start + chunk_size] = picked - torch.logsumexp(rows, dim=-1)
-    return out.view(index.shape)
+    picked = [_picked(rows, i) - torch.logsumexp(rows, dim=-1) for rows, i in _row_chunks(logits, index, chunk_size)]
+    return torch.cat(picked).view(index.shape)
 
 
 def log_softmax_and_entropy(
@@ -43,13 +50,10 @@ def log_softmax_and_entropy(
     """selective_log_softmax and the entropy of the same rows from one fp32 copy and one
     logsumexp per chunk. Without `entropy_grad` (ent_coef = 0: the entropy is only logged) the
     entropy is computed without autograd; the log-probs keep theirs."""
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_index = index.reshape(-1)
     logprobs, entropy = [], []
-    for start in range(0, flat_logits.shape[0], chunk_size):
-        rows = flat_logits[start : start + chunk_size].float()
+    for rows, i in _row_chunks(logits, index, chunk_size):
         lse = torch.logsumexp(rows, dim=-1)
-        logprobs.append(rows.gather(-1, flat_index[start : start + chunk_size, None]).squeeze(-1) - lse)
+        logprobs.append(_picked(rows, i) - lse)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy.append(entropy_from_logits(rows, lse))
     return torch.cat(logprobs).view(index.shape), torch.cat(entropy).view(index.shape)
