@@ -311,3 +311,23 @@ def test_separate_critic_is_required_and_reference_is_required_without_peft() ->
             [[5]],
             DeviceConfig(device="cpu"),
         )
+
+
+@pytest.mark.parametrize("from_generation", [True, False], ids=["generation-logprobs", "forward-logprobs"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_shared_head_values_of_scoring_equal_the_training_forward(from_generation: bool, packed: bool) -> None:
+    """A shared value head reads the policy's final hidden states: the scoring pass (which, with
+    log-probs from generation, runs the trunk alone) and the first training forward give the
+    same values before any step."""
+    trainer = build_trainer(critic="shared", logprobs_from_generation=from_generation, pack_sequences=packed)
+    with torch.no_grad():  # the head starts at zero, which would hide any mismatch
+        for param in trainer.shared_head.parameters():
+            param.normal_()
+    rollout = trainer._rollout()
+    exp = trainer._experience(rollout, trainer.score_fn(rollout).float())
+    r = rollout
+    with torch.no_grad():
+        _, values = trainer._train_forward(r.input_ids, r.attention_mask, r.response_len)
+    mask = r.response_mask.float()
+    torch.testing.assert_close(values.float() * mask, exp.values, atol=1e-5, rtol=1e-5)
+    assert exp.values.abs().sum() > 0

@@ -231,12 +231,14 @@ class PPOTrainer:
                 part = rollout.select(rows)
                 ids, am, n = part.input_ids, part.attention_mask, part.response_len
                 hidden = None
-                if part.logprobs is None or self.shared_head is not None:
+                if part.logprobs is None:
                     policy_out = self._policy_forward(ids, am, n)
+                    old.append(policy_out.logprobs)
                     hidden = policy_out.hidden
-                    old.append(part.logprobs if part.logprobs is not None else policy_out.logprobs)
                 else:
                     old.append(part.logprobs)
+                    if self.shared_head is not None:  # the trunk's states only: no LM head, no log-softmax
+                        hidden = response_states(self.policy, ids, am, n + 1, False, packed)[1]
                 with ref_ctx():
                     ref.append(response_logprobs(ref_model, ids, am, n, temp, cfg.logprob_chunk_size, packed)[0])
                 values.append(self._values(ids, am, n, hidden))
@@ -262,10 +264,10 @@ class PPOTrainer:
         return PolicyOutput(logprobs, entropies, hidden)
 
     def _values(self, ids: torch.Tensor, am: torch.Tensor, n: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Values of the response tokens: the separate critic's forward, or the shared head on the
+        policy's final hidden states (`hidden`, from the forward that also gave the log-probs)."""
         if self.critic is not None:
             return self.critic(ids, am, n, self.config.pack_sequences)
-        if hidden is None:
-            hidden = self._policy_forward(ids, am, n).hidden
         return self.shared_head(hidden, n)
 
     # ---- the update epochs ------------------------------------------------------------
