@@ -78,12 +78,12 @@ class FixedResponseTrainer(PPOTrainer):
         self.micro_steps += 1
         return super()._micro_step(mb, n_tokens, weight)
 
-    def _clip_gradients(self) -> tuple[float, float]:
-        if self.first_grads is None:
+    def _step_models(self, loss_finite: bool) -> tuple[tuple[float, float], bool]:
+        if self.first_grads is None:  # the reduced gradients, before any moves to the masters
             value = self.value_module.named_parameters(prefix="value")
             named = [*self.policy.named_parameters(), *value]
             self.first_grads = {k: p.grad.detach().clone() for k, p in named if p.grad is not None}
-        return super()._clip_gradients()
+        return super()._step_models(loss_finite)
 
     def _rollout(self) -> Rollout:
         indices = self.dp.local_slice(self.sampler.batch(self.iteration))

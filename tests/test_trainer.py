@@ -175,6 +175,26 @@ def test_nan_loss_from_a_hook_is_skipped_and_the_streak_resets() -> None:
     assert all(torch.isfinite(p).all() for p in trainer.policy.parameters())
 
 
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_non_finite_critic_gradient_alone_skips_the_policy_step_too(precision: str) -> None:
+    """The loss and the policy's gradients are finite; only the critic's gradient is NaN. The
+    models step one after the other (the policy first), so the critic must be checked before the
+    policy steps: neither may move."""
+    trainer = build_trainer(max_consecutive_nonfinite=10, precision=precision)
+    critic_weight = next(p for p in trainer.value_module.parameters() if p.requires_grad)
+    handle = critic_weight.register_hook(lambda grad: grad * float("nan"))
+    policy_before, critic_before = _params(trainer.policy), _params(trainer.critic)
+    try:
+        metrics = trainer.step()
+    finally:
+        handle.remove()
+    assert math.isfinite(metrics["loss/total"]) and math.isfinite(metrics["optim/grad_norm_policy"])
+    assert metrics["optim/skipped_steps"] == 4.0  # 2 epochs x 2 minibatches
+    assert _max_change(policy_before, trainer.policy) == 0.0
+    assert _max_change(critic_before, trainer.critic) == 0.0
+
+
 def _llama_with_dropout(p: float) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = tiny_llama_config(vocab_size=44)

@@ -13,6 +13,7 @@ per step. Frozen models simply hold bf16 weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -83,6 +84,12 @@ class MasterWeights:
 
     def master_params(self) -> list[nn.Parameter]:
         return self.masters
+
+    def grads_finite(self) -> bool:
+        """Whether the trained weights' gradients (the bf16 ones before `accumulate_grads`) are
+        all finite; with DTensor gradients (FSDP) every rank gets the same answer."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return not grads or math.isfinite(float(torch.nn.utils.get_total_norm(grads)))
 
     def accumulate_grads(self) -> None:
         if not self.mixed:

@@ -301,19 +301,8 @@ class PPOTrainer:
             micro = self._micro_step(exp.select(chunk), n_tokens, weight)
             acc.add(micro if weight else {})
         stats = self.dp.sum_floats(dict.fromkeys(MICRO_STEP_KEYS, 0.0) | acc.sums())
-        for weights in self.weights:  # bf16: the reduced gradients move to the fp32 masters
-            weights.accumulate_grads()
-        norms = self._clip_gradients()
-        finite = all(math.isfinite(v) for v in (*norms, stats["loss/total"]))
-        if finite:
-            for opt, weights in zip(self.optimizers, self.weights, strict=True):
-                opt.step()
-                weights.publish()
-            self.consecutive_skips = 0
-        else:
-            self.consecutive_skips += 1
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        norms, finite = self._step_models(math.isfinite(stats["loss/total"]))
+        self.consecutive_skips = 0 if finite else self.consecutive_skips + 1
         if self.consecutive_skips >= self.config.max_consecutive_nonfinite:
             raise NonFiniteError(
                 f"{self.consecutive_skips} consecutive PPO steps had a non-finite loss or gradient "
@@ -323,10 +312,27 @@ class PPOTrainer:
         stats["optim/skipped"] = 0.0 if finite else 1.0
         return stats
 
-    def _clip_gradients(self) -> tuple[float, float]:
+    def _step_models(self, loss_finite: bool) -> tuple[tuple[float, float], bool]:
+        """(gradient norms before clipping, whether the models stepped). The policy, then the
+        value module: each one's gradients move to its fp32 masters (bf16), are clipped, stepped
+        and released before the next one's move, so only one model's fp32 gradients exist at a
+        time. The later models' gradients are checked first: a non-finite loss or gradient
+        anywhere skips every step."""
+        finite = loss_finite and all(weights.grads_finite() for weights in self.weights[1:])
+        norms = []
+        for opt, weights in zip(self.optimizers, self.weights, strict=True):
+            weights.accumulate_grads()
+            norms.append(self._clip_gradients(opt))
+            finite = finite and math.isfinite(norms[-1])
+            if finite:
+                opt.step()
+                weights.publish()
+            opt.zero_grad(set_to_none=True)
+        return (norms[0], norms[1]), finite
+
+    def _clip_gradients(self, opt: torch.optim.Optimizer) -> float:
         limit = self.config.max_grad_norm or float("inf")
-        groups = [opt.param_groups[0]["params"] for opt in self.optimizers]
-        return tuple(float(torch.nn.utils.clip_grad_norm_(g, limit)) for g in groups)  # type: ignore[return-value]
+        return float(torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], limit))
 
     def _train_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> tuple[PolicyOutput, torch.Tensor]:
         policy_out = self._policy_forward(ids, am, n, entropy=True)
