@@ -107,6 +107,26 @@ def build_trainer(
     )
 
 
+CHAINS = {"main_folder": "pipeline-main", "crashed_run": "pipeline-crashed", "damaged_run": "pipeline-damaged"}
+"""Session fixtures (tests/pipeline_fixtures.py) whose runs build on each other: every test that
+uses one runs in the same xdist worker, so each chain runs once."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup` (scripts/test.sh) a group runs whole in one worker:
+    the tests of one pipeline chain, else those of one module (its module fixtures run once)."""
+    groups = {}
+    for item in items:
+        closure = getattr(item, "fixturenames", ())
+        chain = next((group for name, group in CHAINS.items() if name in closure), None)
+        groups[item] = chain or item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    if hasattr(config, "workerinput"):  # an xdist worker: groups with slow tests first, the
+        # quick ones then fill the gaps at the end (a stable sort keeps each group's order)
+        slow = {groups[item] for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: groups[item] not in slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> Iterator[None]:
     """Every test starts from the same RNG state, whatever ran before it."""
