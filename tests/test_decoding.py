@@ -78,16 +78,40 @@ def test_processors_equal_transformers_own_chain(sampling: SamplingConfig) -> No
         assert warp_scores(logits, sampling, 5, stops).isinf().any()
 
 
-def test_cached_decode_equals_full_forwards_over_the_growing_sequence() -> None:
+def _with_shared_prefix(prompts: list[list[int]], prefix_len: int) -> list[list[int]]:
+    """The prompts behind one common prefix (as a chat template's system block puts it)."""
+    prefix = make_prompts(1, seed=11, min_len=prefix_len, max_len=prefix_len)[0]
+    return [prefix + p for p in prompts]
+
+
+def _batch_sizes_of_forwards(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(rows, tokens) of every forward of `model` from now on."""
+    shapes: list[tuple[int, int]] = []
+    def record(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return shapes
+
+
+@pytest.mark.parametrize("shared_prefix", [0, 6])
+def test_cached_decode_equals_full_forwards_over_the_growing_sequence(shared_prefix: int) -> None:
     """Every token and log-prob of the KV-cached loop (left-padded batch, positions from the mask)
-    equals what full forwards over each row alone give, drawing the same uniforms."""
+    equals what full forwards over each row alone give, drawing the same uniforms; with a prefix
+    every prompt shares, it is prefilled once at batch 1 and its cache copied to every row."""
     model = tiny_llama(seed=3)
     prompts = make_prompts(6, seed=4)
+    if shared_prefix:
+        prompts = _with_shared_prefix(prompts, shared_prefix)
     query_ids, query_mask = left_pad(prompts, PAD)
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.9)
+    forwards = _batch_sizes_of_forwards(model)
     torch.manual_seed(0)
     raw, logprobs = decode(model, query_ids, query_mask, sampling, [EOS], PAD)
     assert logprobs is not None
+    # the prefill's forwards: the prefix at batch 1, then every row's rest (or all of every row)
+    width = query_ids.shape[1]
+    assert forwards[:2] == ([(1, shared_prefix), (6, width - shared_prefix)] if shared_prefix else [(6, width), (6, 1)])
     torch.manual_seed(0)
     uniforms = [torch.rand(6, 1) for _ in range(raw.shape[1])]  # the loop's draws, in order
     for row, prompt in enumerate(prompts):
