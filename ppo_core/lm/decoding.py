@@ -131,14 +131,15 @@ def prefill(
     p = shared_prefix_len(query_ids, mask, keep=1)
     if p < MIN_SHARED_PREFIX:
         return (*forward(query_ids, mask, positions, None), mask)
-    start = int(first_real_column(mask[:1]))
-    _, cache = forward(query_ids[:1, start:start + p], mask[:1, start:start + p], positions[:1, start:start + p], None)
+    starts = first_real_column(mask)
+    head = slice(int(starts[0]), int(starts[0]) + p)  # row 0's prefix columns
+    _, cache = forward(query_ids[:1, head], mask[:1, head], positions[:1, head], None)
     if not hasattr(cache, "batch_repeat_interleave"):  # a model without transformers' Cache
         return (*forward(query_ids, mask, positions, None), mask)
     cache.batch_repeat_interleave(batch)
     # column j of a row's rest: its own pad while j < its pad width, else the token p further on
     cols = torch.arange(width - p, device=mask.device).expand(batch, -1)
-    cols = cols + p * (cols >= first_real_column(mask)[:, None])
+    cols = cols + p * (cols >= starts[:, None])
     rest_ids, rest_mask, rest_positions = (t.gather(1, cols) for t in (query_ids, mask, positions))
     mask = torch.cat([mask.new_ones(batch, p), rest_mask], dim=1)
     return (*forward(rest_ids, mask, rest_positions, cache), mask)
