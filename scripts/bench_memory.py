@@ -33,6 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from flows.runtime import bound_heap_retention  # noqa: E402
 from ppo_core.lm.peak_memory import reset_rss_peak, rss_bytes, rss_peak_bytes  # noqa: E402
 
 CASES: dict[str, dict[str, Any]] = {
@@ -45,20 +46,11 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp x2": {"overrides": ["ppo.processes=2", "ppo.sharding=fsdp"], "ranks": 2},
 }
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-MMAP_THRESHOLD = 128 * 1024
-"""Fixed (mallopt): glibc's dynamic threshold rises to the size of each freed mmapped block (up
-to 32 MiB), after which tensors up to that size are carved from the heap and their pages stay
-in RSS once freed (~200 MiB over the live tensors here). Fixed, RSS follows live memory."""
 BASE_OVERRIDES = ["ppo.algo.batch_size=8"]
 """The default config, 8 rollouts per iteration (4 per minibatch)."""
 
 
 # ---- memory readings ----------------------------------------------------------------------
-def _fix_mmap_threshold() -> None:
-    """glibc's mallopt(M_MMAP_THRESHOLD, ...), as MALLOC_MMAP_THRESHOLD_ would set it."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD (malloc.h)
-
-
 def _trim() -> None:
     """Hand freed heap pages back to the OS, so RSS counts live memory (glibc)."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -212,7 +204,7 @@ def run_case(name: str, iterations: int, threads: int) -> dict[str, Any]:
 
     from ppo_core.ppo.memory import training_rows, training_tokens
 
-    _fix_mmap_threshold()
+    bound_heap_retention()  # as the pipeline and every PPO worker do
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     case = CASES[name]

@@ -322,3 +322,55 @@ def test_peak_memory_sees_a_freed_allocation_and_resets() -> None:
     assert after < peak - 200, (after, peak)  # the premise: the block's pages are gone
     again = PeakMemory().start().read()["peak_rss_mib"]
     assert again < peak - 200, (again, peak)
+
+
+HEAP_PROBE = """
+import ctypes, os, sys
+sys.path.insert(0, sys.argv[2])
+from flows.runtime import bound_heap_retention
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+MiB = 2**20
+page = os.sysconf("SC_PAGE_SIZE")
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+
+def touched(size):
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    return block
+
+if sys.argv[1] == "bounded":
+    bound_heap_retention()
+libc.free(touched(16 * MiB))  # a freed mapped block: a dynamic threshold rises to 16 MiB
+before = rss()
+blocks = [touched(8 * MiB) for _ in range(48)]
+for block in blocks[:-1]:  # the last one stays: the heap's top cannot shrink
+    libc.free(block)
+print((rss() - before) / MiB)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "bounded"])
+def test_freed_tensor_sized_blocks_leave_rss_once_the_heap_retention_is_bounded(mode: str) -> None:
+    """flows.runtime.bound_heap_retention (the pipeline and every PPO worker call it): after a
+    16 MiB block was freed, 48 blocks of 8 MiB (a tensor's size) are made and all but the last
+    freed. glibc's default then keeps the freed ones resident (~376 MiB: its dynamic mmap
+    threshold put them on the heap); bounded, they are unmapped. Run in a fresh process each."""
+    if not Path("/proc/self/statm").exists() or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        pytest.skip("needs Linux's /proc and glibc's default malloc settings")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    done = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode, str(REPO)], env=env,
+                          capture_output=True, text=True, check=False)
+    if "libc.so.6" in done.stderr:
+        pytest.skip("no glibc")
+    assert done.returncode == 0, done.stderr
+    retained_mib = float(done.stdout)
+    if mode == "default":
+        assert retained_mib > 300, retained_mib  # the premise: glibc's dynamic threshold retains them
+    else:
+        assert retained_mib < 40, retained_mib
