@@ -99,7 +99,7 @@ def evaluate(
     gold = load_gold_scorer(cfg.gold_scorer) if cfg.gold_scorer else None
     held = HeldOut(
         tokenizer, texts, ids, cfg.sampling, rm.score, gold,
-        n_samples=cfg.n_samples_shown, samples_per_prompt=cfg.samples_per_prompt,
+        batch_size=cfg.batch_size, n_samples=cfg.n_samples_shown, samples_per_prompt=cfg.samples_per_prompt,
     )
     log.info("evaluating the reference on %d held-out prompts x %d", len(texts), cfg.samples_per_prompt)
     baseline, ref_sample = evaluate_reference(ref_model, held)
