@@ -49,9 +49,8 @@ def bound_heap_retention() -> None:
     """Fix glibc's mmap threshold for this process (unless MALLOC_MMAP_THRESHOLD_ set one at its
     start). Left dynamic, glibc raises the threshold to the size of every mapped block freed, up
     to 32 MiB: from then on tensors up to that size are carved from the heap, and the pages of the
-    freed ones stay resident. A bf16 PPO round (fp32 master gradients of 1-56 MB made and freed at
-    every step) grew its heap by ~600 MB over 8 iterations that way (tests/bench/README.md). A
-    no-op where there is no glibc."""
+    freed ones stay resident. A bf16 PPO round grew its RSS by ~600 MB over 8 iterations that way
+    (tests/bench/README.md, "Heap retention"). A no-op where there is no glibc."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     with contextlib.suppress(OSError, AttributeError):
