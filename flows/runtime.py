@@ -39,9 +39,13 @@ def configure_environment(work_dir: str | Path = ".rlhf") -> None:
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
 
 
-MMAP_THRESHOLD = 128 * 1024
+MMAP_THRESHOLD = 1024 * 1024
 """Blocks from this size up get their own mapping, handed back to the OS when freed (glibc's
-M_MMAP_THRESHOLD, fixed at its initial value)."""
+M_MMAP_THRESHOLD, fixed at its initial value). Not lower: every fresh mapping is zero-filled page
+by page on first touch, and SmolLM2's weight-sized blocks (its bf16 576x576 projections, 648 KiB)
+are made and freed at every step; at 128 or 512 KiB a bf16 PPO iteration spent 20-30 s in the
+kernel and ran ~60 % slower (tests/bench/README.md, "Heap retention"). What the heap keeps of
+the smaller blocks `release_free_heap` hands back after every PPO iteration."""
 M_MMAP_THRESHOLD = -3  # malloc.h
 
 
@@ -58,9 +62,10 @@ def bound_heap_retention() -> None:
 
 
 def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's malloc_trim) after a stage: the models
-    a finished stage dropped otherwise stay in the process's resident memory and add to the next
-    stage's peak. A no-op where there is no glibc."""
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim) after a stage and after
+    every PPO iteration: the models a finished stage dropped, or the heap-sized blocks an iteration
+    freed, otherwise stay in the process's resident memory and add to what comes next's peak. A
+    no-op where there is no glibc."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

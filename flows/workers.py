@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from flows.config import PPOStageConfig
 from flows.faults import kill_point, maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
-from flows.runtime import bound_heap_retention
+from flows.runtime import bound_heap_retention, release_free_heap
 from flows.stages.common import logger, placement, read_prompt_file
 from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
@@ -122,6 +122,7 @@ def _run_iterations(trainer: PPOTrainer, job: RoundJob) -> None:
     ) as progress:  # closed (its line ended) on a failure too, before the error is reported
         while trainer.iteration < target:
             metrics = trainer.step()
+            release_free_heap()  # what the heap kept of the iteration's frees: not the next one's memory
             progress.update(1)
             progress.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.2f}")
             local = trainer.iteration - start
