@@ -38,7 +38,7 @@ from flows.stages.ppo import ppo_round
 from flows.stages.preferences import collect_preferences
 from flows.stages.reference import snapshot_reference
 from flows.stages.reward import train_reward_model
-from flows.summary import StageRecord, summary_markdown
+from flows.summary import CpuTime, StageRecord, summary_markdown
 from ppo_core.config import DeviceConfig
 from ppo_core.lm.folders import remove_debris
 from ppo_core.lm.peak_memory import PeakMemory
@@ -79,7 +79,7 @@ class StageRunner:
         self.records: list[StageRecord] = []
 
     def __call__(self, stage_task: Any, stage: str, label: str, **kwargs: Any) -> Any:
-        start, memory = time.perf_counter(), PeakMemory().start()
+        start, memory, cpu = time.perf_counter(), PeakMemory().start(), CpuTime().start()
         state = self._configured(stage_task, refresh=stage in self.forced)(return_state=True, **kwargs)
         result = _result(state, label)
         cached = state.name == "Cached"
@@ -93,9 +93,9 @@ class StageRunner:
             result, cached = _result(state, label), False
         if cached:
             trk.record_cached(self.ctx, label, getattr(result, "mlflow_run_id", None), _headline(result))
-        peaks = memory.read()
-        trk.log_stage_memory(self.ctx, label, peaks)
-        self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result, peaks))
+        peaks, cpu_s = memory.read(), cpu.read()
+        trk.log_stage_usage(self.ctx, label, {"memory": peaks, "cpu": cpu_s})
+        self.records.append(StageRecord(label, cached, time.perf_counter() - start, _headline(result), result, peaks, cpu_s))
         release_free_heap()
         kill_point(f"after:{label}")
         return result

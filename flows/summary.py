@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,27 @@ class StageRecord:
     result: Any
     memory: dict[str, float] = field(default_factory=dict)
     """Peaks of this process while the stage ran (ppo_core.lm.peak_memory.PeakMemory)."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds the stage took in user and kernel mode (`CpuTime`)."""
+
+
+class CpuTime:
+    """User and system CPU seconds since `start()` of this process and of the child processes
+    it waited for (torchrun ranks): the system share is the kernel's work for the stage, mostly
+    zero-filling freshly mapped memory (flows.runtime)."""
+
+    def start(self) -> CpuTime:
+        self.at = self._now()
+        return self
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + children.ru_utime, own.ru_stime + children.ru_stime
+
+    def read(self) -> dict[str, float]:
+        (user0, sys0), (user1, sys1) = self.at, self._now()
+        return {"user_s": user1 - user0, "sys_s": sys1 - sys0}
 
 
 def _fmt(value: Any) -> str:
@@ -31,17 +53,22 @@ def _peaks(memory: dict[str, float]) -> str:
     return f"{rss} (CUDA {memory['peak_cuda_mib']:,.0f})" if "peak_cuda_mib" in memory else rss
 
 
+def _cpu(cpu: dict[str, float]) -> str:
+    return f"{cpu['user_s']:.0f} / {cpu['sys_s']:.0f}" if cpu else "-"
+
+
 def summary_markdown(cfg: PipelineConfig, ctx: TrackingContext, records: list[StageRecord], failed: bool) -> str:
     lines = [
         f"# RLHF pipeline `{cfg.name}` — {'FAILED' if failed else 'finished'}",
         "",
-        "| stage | status | seconds | peak RSS MiB | headline |",
-        "|---|---|---:|---:|---|",
+        "| stage | status | seconds | CPU user / sys s | peak RSS MiB | headline |",
+        "|---|---|---:|---:|---:|---|",
     ]
     for r in records:
         head = ", ".join(f"{k}={_fmt(v)}" for k, v in r.headline.items())
-        lines.append(f"| {r.label} | {'Cached' if r.cached else 'Ran'} | {r.seconds:.1f} | {_peaks(r.memory)} | {head} |")
-    lines += ["", "Peak memory is this process's (torchrun ranks and Ray workers are other processes)."]
+        lines.append(f"| {r.label} | {'Cached' if r.cached else 'Ran'} | {r.seconds:.1f} | {_cpu(r.cpu)} | {_peaks(r.memory)} | {head} |")
+    lines += ["", "Peak memory is this process's (torchrun ranks and Ray workers are other processes); CPU "
+              "time is this process's and its finished torchrun ranks'."]
     models = [(r.label, getattr(r.result, "model_uri", None)) for r in records if getattr(r.result, "model_uri", None)]
     if models:
         lines += ["", "**Registered models**", ""] + [f"- {label}: `{uri}`" for label, uri in models]

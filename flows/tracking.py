@@ -217,13 +217,16 @@ def record_cached(ctx: TrackingContext, stage: str, producer_run_id: str | None,
     client.set_terminated(run.info.run_id)
 
 
-def log_stage_memory(ctx: TrackingContext, stage: str, peaks: dict[str, float]) -> None:
-    """A stage's peak memory in this process (`ppo_core.lm.peak_memory`) as parent-run metrics
-    `memory/<stage>/peak_rss_mib` (and `.../peak_cuda_mib`): one chart compares the stages."""
-    if not ctx.parent_run_id or not peaks:
-        return
+def log_stage_usage(ctx: TrackingContext, stage: str, usage: dict[str, dict[str, float]]) -> None:
+    """A stage's resources as parent-run metrics `<kind>/<stage>/<name>`: its peak memory in
+    this process (`memory/<stage>/peak_rss_mib`, `.../peak_cuda_mib`: ppo_core.lm.peak_memory)
+    and its CPU time (`cpu/<stage>/user_s`, `.../sys_s`: flows.summary.CpuTime); one chart
+    compares the stages."""
     now = int(time.time() * 1000)
-    metrics = [mlflow.entities.Metric(f"memory/{stage}/{key}", value, now, 0) for key, value in peaks.items()]
+    metrics = [mlflow.entities.Metric(f"{kind}/{stage}/{key}", value, now, 0)
+               for kind, values in usage.items() for key, value in values.items()]
+    if not ctx.parent_run_id or not metrics:
+        return
     MlflowClient(ctx.uri).log_batch(ctx.parent_run_id, metrics=metrics)
 
 

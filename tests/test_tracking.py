@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -126,16 +127,38 @@ def test_one_parent_run_with_a_child_run_per_stage(first_run: Run, tmp_path: Pat
     assert {r.data.tags["rlhf.cached"] for r in children} == {"false"}
 
 
+def summary_rows(run: Run) -> dict[str, list[str]]:
+    return {line.split(" | ")[0].strip("| "): line.split(" | ") for line in run.notes["summary"].splitlines()}
+
+
 def test_each_stage_peak_memory_in_the_parent_run_and_the_summary(first_run: Run) -> None:
     """Per stage, this process's peak RSS while it ran: a parent-run metric and a summary column
     (tests/test_memory.py checks the measurement itself)."""
     metrics = client(first_run).get_run(first_run.result["mlflow_parent_run_id"]).data.metrics
     peaks = {stage: metrics[f"memory/{stage}/peak_rss_mib"] for stage in STAGES}
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in first_run.notes["summary"].splitlines()}
+    rows = summary_rows(first_run)
     for stage, peak in peaks.items():
         assert 100 < peak < 64 * 1024, (stage, peak)
-        assert rows[stage][3] == f"{peak:,.0f}", (stage, rows[stage])
+        assert rows[stage][4] == f"{peak:,.0f}", (stage, rows[stage])
     assert "peak RSS MiB" in first_run.notes["summary"]
+
+
+def test_each_stage_cpu_time_in_the_parent_run_and_the_summary(first_run: Run) -> None:
+    """Per stage, the user and kernel CPU seconds it took: parent-run metrics and a summary
+    column. Each stage of the first run did work (tokenising, a forward at least), and all of
+    them together took no more CPU than the whole pytest process has so far."""
+    metrics = client(first_run).get_run(first_run.result["mlflow_parent_run_id"]).data.metrics
+    rows = summary_rows(first_run)
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = {"user_s": 0.0, "sys_s": 0.0}
+    for stage in STAGES:
+        cpu = {key: metrics[f"cpu/{stage}/{key}"] for key in ("user_s", "sys_s")}
+        assert cpu["user_s"] > 0.05 and cpu["sys_s"] >= 0, (stage, cpu)
+        assert rows[stage][3] == f"{cpu['user_s']:.0f} / {cpu['sys_s']:.0f}", (stage, rows[stage])
+        total = {key: total[key] + cpu[key] for key in total}
+    assert total["user_s"] <= own.ru_utime + children.ru_utime
+    assert total["sys_s"] <= own.ru_stime + children.ru_stime
+    assert "CPU user / sys s" in first_run.notes["summary"]
 
 
 def test_cached_stages_are_recorded_as_cached_child_runs(first_run: Run, second_run: Run) -> None:
