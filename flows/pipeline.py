@@ -31,7 +31,7 @@ from flows.logs import library_logs_at_info
 from flows.orphans import close_orphans
 from flows.records import RECORD_SERIALIZER, RecordStorage
 from flows.refs import ReferenceRef, StageRef
-from flows.runtime import bound_heap_retention, release_free_heap
+from flows.runtime import configure_heap, release_free_heap
 from flows.stages.common import placement
 from flows.stages.evaluate import evaluate
 from flows.stages.ppo import ppo_round
@@ -166,7 +166,7 @@ def resolved_device(device: DeviceConfig) -> dict[str, str]:
 def rlhf_pipeline(config: dict[str, Any], force: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) the whole pipeline for one validated config."""
     library_logs_at_info()
-    bound_heap_retention()
+    configure_heap()
     cfg = PipelineConfig.model_validate(config)
     work_dir = pipeline_work_dir(cfg)
     with work_folder_lock(work_dir):

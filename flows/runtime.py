@@ -39,33 +39,32 @@ def configure_environment(work_dir: str | Path = ".rlhf") -> None:
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
 
 
-MMAP_THRESHOLD = 1024 * 1024
-"""Blocks from this size up get their own mapping, handed back to the OS when freed (glibc's
-M_MMAP_THRESHOLD, fixed at its initial value). Not lower: every fresh mapping is zero-filled page
-by page on first touch, and SmolLM2's weight-sized blocks (its bf16 576x576 projections, 648 KiB)
-are made and freed at every step; at 128 or 512 KiB a bf16 PPO iteration spent 20-30 s in the
-kernel and ran ~60 % slower (tests/bench/README.md, "Heap retention"). What the heap keeps of
-the smaller blocks `release_free_heap` hands back after every PPO iteration."""
-M_MMAP_THRESHOLD = -3  # malloc.h
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
+GLIBC_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
-def bound_heap_retention() -> None:
-    """Fix glibc's mmap threshold for this process (unless MALLOC_MMAP_THRESHOLD_ set one at its
-    start). Left dynamic, glibc raises the threshold to the size of every mapped block freed, up
-    to 32 MiB: from then on tensors up to that size are carved from the heap, and the pages of the
-    freed ones stay resident. A bf16 PPO round grew its RSS by ~600 MB over 8 iterations that way
-    (tests/bench/README.md, "Heap retention"). A no-op where there is no glibc."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def configure_heap() -> None:
+    """Keep freed memory in glibc's heap for the next allocations, and hand it back only at the
+    boundaries `release_free_heap` marks (after every PPO iteration and every stage). No block gets
+    its own mapping and the heap's top is never trimmed on a free: a freshly mapped page is zero-filled by the kernel on first touch, and a PPO
+    step makes and frees gigabytes of tensors (logits, gradients, the fp32 master gradients), so
+    with glibc's defaults a bf16 iteration spent 4-6 s of its ~35 in the kernel, the first of a
+    round ~19 s; reused from the heap, 1.6-3 s (tests/bench/README.md, "Heap retention"). Left
+    alone where the environment sets glibc's malloc (MALLOC_*_ or GLIBC_TUNABLES); a no-op
+    without glibc."""
+    if any(k in os.environ for k in GLIBC_MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_MAX, 0)  # man mallopt: 0 disables mmap for large requests
+        libc.mallopt(M_TRIM_THRESHOLD, -1)  # -1 disables trimming completely
 
 
 def release_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's malloc_trim) after a stage and after
-    every PPO iteration: the models a finished stage dropped, or the heap-sized blocks an iteration
-    freed, otherwise stay in the process's resident memory and add to what comes next's peak. A
-    no-op where there is no glibc."""
+    every PPO iteration: the models a finished stage dropped, or the tensors an iteration freed,
+    otherwise stay in the process's resident memory (`configure_heap` keeps them for reuse) and
+    add to what comes next's peak. A no-op where there is no glibc."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from flows.config import PPOStageConfig
 from flows.faults import kill_point, maybe_fail
 from flows.refs import PreferenceSet, ReferenceRef, RewardModelRef
-from flows.runtime import bound_heap_retention, release_free_heap
+from flows.runtime import configure_heap, release_free_heap
 from flows.stages.common import logger, placement, read_prompt_file
 from flows.tracking import MetricLogger
 from ppo_core.config import DeviceConfig
@@ -167,7 +167,7 @@ def _export_policy(trainer: PPOTrainer, folder: Path, policy: torch.nn.Module | 
 def train_round(job: RoundJob, parallel: DataParallel | None = None) -> RoundOutput:
     """Build the trainer, continue from the in-round or the previous round's checkpoint, train
     to the round's last iteration, and (rank 0) export the policy and the round's records."""
-    bound_heap_retention()  # torchrun ranks and Ray workers start here, not in the pipeline
+    configure_heap()  # torchrun ranks and Ray workers start here, not in the pipeline
     dp = parallel or DataParallel()
     metric_logger = MetricLogger(job.run_id if dp.is_main else None, job.tracking_uri)
     trainer = build_trainer(job, metric_logger, dp)

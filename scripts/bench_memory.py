@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from flows.runtime import bound_heap_retention  # noqa: E402
+from flows.runtime import configure_heap  # noqa: E402
 from ppo_core.lm.peak_memory import reset_rss_peak, rss_bytes, rss_peak_bytes  # noqa: E402
 
 CASES: dict[str, dict[str, Any]] = {
@@ -204,7 +204,7 @@ def run_case(name: str, iterations: int, threads: int) -> dict[str, Any]:
 
     from ppo_core.ppo.memory import training_rows, training_tokens
 
-    bound_heap_retention()  # as the pipeline and every PPO worker do
+    configure_heap()  # as the pipeline and every PPO worker do
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     case = CASES[name]

@@ -1,6 +1,7 @@
-"""Heap retention in the pipeline's processes (flows.runtime, flows.workers): glibc's mmap
-threshold fixed by `bound_heap_retention`, and the free heap handed back by `release_free_heap`
-after every PPO iteration. Probed with plain malloc in fresh processes: no models needed."""
+"""The C heap in the pipeline's processes (flows.runtime, flows.workers): `configure_heap`
+keeps freed memory for reuse (no page faults for the next step's tensors), and
+`release_free_heap` hands it back after every PPO iteration. Probed with plain malloc in fresh
+processes: no models needed."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 HEAP_PROBE = """
-import ctypes, os, sys
+import ctypes, os, resource, sys
 sys.path.insert(0, sys.argv[3])
-from flows.runtime import bound_heap_retention, release_free_heap
+from flows.runtime import configure_heap, release_free_heap
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -29,50 +30,72 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * page
 
-def touched(size):
-    block = libc.malloc(size)
-    ctypes.memset(block, 1, size)
-    return block
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def step(size):  # a training step's tensors: made, written, freed
+    blocks = [libc.malloc(size) for _ in range(256 * MiB // size)]
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    for block in blocks:
+        libc.free(block)
 
 mode, size = sys.argv[1], int(sys.argv[2])
 if mode != "default":
-    bound_heap_retention()
-libc.free(touched(16 * MiB))  # a freed mapped block: a dynamic threshold rises to 16 MiB
+    configure_heap()
 before = rss()
-blocks = [touched(size) for _ in range(384 * MiB // size)]
-for block in blocks[:-1]:  # the last one stays: the heap's top cannot shrink
-    libc.free(block)
+step(size)
 if mode == "released":
     release_free_heap()
-print((rss() - before) / MiB)
+retained = (rss() - before) / MiB
+start = faults()
+step(size)  # the next step
+print(retained, (faults() - start) * page / (256 * MiB))
 """
 
 
-@pytest.mark.parametrize(("mode", "block_kib", "retained"), [
-    ("default", 8192, True),  # glibc's dynamic threshold put the 8 MiB blocks on the heap
-    ("bounded", 8192, False),  # fixed at 1 MiB: each has its own mapping, unmapped when freed
-    ("bounded", 512, True),  # under the threshold: on the heap, as it should be (no page faults)
-    ("released", 512, False),  # what the PPO loop does after every iteration
+@pytest.mark.parametrize(("mode", "block_kib", "retained", "refaulted"), [
+    ("default", 65536, False, True),  # glibc maps blocks this large afresh: zero-filled pages again
+    ("configured", 65536, True, False),  # kept on the heap, reused by the next step
+    ("configured", 512, True, False),
+    ("released", 65536, False, True),  # what the PPO loop does after every iteration
+    ("released", 512, False, True),
 ])
-def test_freed_blocks_leave_rss_once_the_heap_retention_is_bounded_or_released(mode: str, block_kib: int, retained: bool) -> None:
-    """flows.runtime: after a 16 MiB block was freed, 384 MiB of blocks are made and all but the
-    last freed, in a fresh process. glibc's default keeps freed 8 MiB blocks (a tensor's size)
-    resident; `bound_heap_retention` (the pipeline and every PPO worker call it) unmaps them;
-    blocks under its 1 MiB threshold stay on the heap until `release_free_heap` (after every PPO
-    iteration, flows.workers) hands the heap's free pages back."""
-    if not Path("/proc/self/statm").exists() or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
-        pytest.skip("needs Linux's /proc and glibc's default malloc settings")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+def test_the_heap_keeps_freed_tensors_for_the_next_step_until_released(
+    mode: str, block_kib: int, retained: bool, refaulted: bool
+) -> None:
+    """flows.runtime in a fresh process: a "step" makes, writes and frees 256 MiB of blocks, then
+    a second step does the same. With glibc's defaults 64 MiB blocks (a logits tensor's size) get
+    mappings of their own, unmapped when freed, so the next step page-faults all its memory again.
+    After `configure_heap` (the pipeline and every PPO worker call it) freed blocks stay resident
+    and the next step reuses them without a fault; `release_free_heap` (after every PPO
+    iteration, flows.workers) hands them back."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs Linux's /proc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode, str(block_kib * 1024), str(REPO)], env=env,
                           capture_output=True, text=True, check=False)
     if "libc.so.6" in done.stderr:
         pytest.skip("no glibc")
     assert done.returncode == 0, done.stderr
-    retained_mib = float(done.stdout)
-    if retained:
-        assert retained_mib > 300, retained_mib
-    else:
-        assert retained_mib < 40, retained_mib
+    retained_mib, refaulted_share = map(float, done.stdout.split())
+    assert (retained_mib > 200) if retained else (retained_mib < 40), retained_mib
+    assert (refaulted_share > 0.8) if refaulted else (refaulted_share < 0.1), refaulted_share
+
+
+def test_the_heap_is_left_alone_where_the_environment_sets_glibc_malloc() -> None:
+    """A user's glibc malloc setting (here MALLOC_TRIM_THRESHOLD_) wins: `configure_heap` changes
+    nothing, and 64 MiB blocks are mapped afresh at every step as glibc's default does."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs Linux's /proc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"MALLOC_TRIM_THRESHOLD_": "1048576"}
+    done = subprocess.run([sys.executable, "-c", HEAP_PROBE, "configured", str(64 * 2**20), str(REPO)], env=env,
+                          capture_output=True, text=True, check=False)
+    if "libc.so.6" in done.stderr:
+        pytest.skip("no glibc")
+    assert done.returncode == 0, done.stderr
+    retained_mib, refaulted_share = map(float, done.stdout.split())
+    assert retained_mib < 40 and refaulted_share > 0.8, (retained_mib, refaulted_share)
 
 
 def test_the_ppo_loop_hands_the_free_heap_back_after_every_iteration(trainer_factory, tmp_path: Path, monkeypatch) -> None:

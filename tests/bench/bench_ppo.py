@@ -43,6 +43,7 @@ from ppo_core.lm.rollout import truncate_after_stop
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script: make `tests.` importable
+from flows.runtime import configure_heap, release_free_heap  # noqa: E402
 from tests.bench.bench_measure import Meter, PlainBaselines, install_profile  # noqa: E402
 
 PROMPTS = json.loads((Path(__file__).with_name("prompts.json")).read_text())
@@ -133,6 +134,8 @@ def build(args: argparse.Namespace) -> tuple[PPOTrainer, LastTokenScorer]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.heap == "pipeline":
+        configure_heap()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     trainer, scorer = build(args)
@@ -161,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plain_response = plain.generate() if plain else None
         with meter.phase("iteration"):
             metrics = trainer.step()
+            if args.heap == "pipeline":
+                release_free_heap()  # as flows.workers does after every iteration
         rollout = scorer.last_rollout
         plain_tokens = None
         if plain is not None:
@@ -301,6 +306,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
                         help="orchestration.device.precision (ppo_core.lm.precision)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument(
+        "--heap",
+        choices=["pipeline", "glibc"],
+        default="pipeline",
+        help="pipeline: the C heap as a PPO round keeps it (flows.runtime.configure_heap, released "
+        "after every iteration); glibc: its defaults",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="split phases into forward/backward/optimizer"
     )
