@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaForCausalLM
 
 from ppo_core.config import DeviceConfig, SamplingConfig
@@ -351,3 +352,30 @@ def test_shared_head_values_of_scoring_equal_the_training_forward(from_generatio
     mask = r.response_mask.float()
     torch.testing.assert_close(values.float() * mask, exp.values, atol=1e-5, rtol=1e-5)
     assert exp.values.abs().sum() > 0
+
+
+@pytest.mark.parametrize("limit", [1e-3, 1e3, None])
+def test_gradients_are_clipped_to_max_grad_norm_as_torch_clips_them(limit: float | None) -> None:
+    """The trainer's clipping returns the total L2 norm before clipping and leaves every gradient
+    as torch.nn.utils.clip_grad_norm_ leaves it, bit for bit: scaled to the limit when over it
+    (1e-3), untouched when under it (1e3) or with no limit."""
+    trainer = build_trainer(max_grad_norm=limit)
+    opt = trainer.optimizers[0]
+    params = opt.param_groups[0]["params"]
+    gen = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    before = [p.grad.clone() for p in params]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    for twin, grad in zip(twins, before, strict=True):
+        twin.grad = grad.clone()
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(twins, limit or float("inf")))
+    norm = trainer._clip_gradients(opt)
+    flat = torch.cat([g.flatten() for g in before]).double()
+    assert norm == torch_norm == pytest.approx(float(flat.norm()), rel=1e-5)
+    assert all(torch.equal(p.grad, twin.grad) for p, twin in zip(params, twins, strict=True))
+    after = float(torch.cat([p.grad.flatten() for p in params]).double().norm())
+    if limit == 1e-3:
+        assert after == pytest.approx(1e-3, rel=1e-4)
+    else:
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, before, strict=True))

@@ -91,7 +91,7 @@ class PPOTrainer:
         self.ref_model = ref_model.to(self.device).eval() if ref_model is not None else None
         if self.ref_model is None and not hasattr(policy, "disable_adapter"):
             raise ValueError("ref_model is required unless the policy is a peft model (adapter disabled = reference)")
-        self.shared_head = SharedValueHead(self._hidden_size()).to(self.device) if config.critic == "shared" else None
+        self.shared_head = SharedValueHead(int(policy.config.hidden_size)).to(self.device) if config.critic == "shared" else None
         if config.critic == "separate" and critic is None:
             raise ValueError("PPOConfig.critic='separate' needs a CriticModel")
         self.critic = critic.to(self.device) if config.critic == "separate" and critic is not None else None
@@ -120,9 +120,6 @@ class PPOTrainer:
         self.last_experience: Experience | None = None
 
     # ---- set-up -----------------------------------------------------------------------
-    def _hidden_size(self) -> int:
-        return int(self.policy.config.hidden_size)
-
     @property
     def value_module(self) -> nn.Module:
         """The module that holds the value weights: the separate critic, else the shared head."""
@@ -331,8 +328,13 @@ class PPOTrainer:
         return (norms[0], norms[1]), finite
 
     def _clip_gradients(self, opt: torch.optim.Optimizer) -> float:
+        """Total gradient norm before clipping; clip_grad_norm_ without its pass multiplying by 1."""
+        params = opt.param_groups[0]["params"]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         limit = self.config.max_grad_norm or float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], limit))
+        if float(limit / (norm + 1e-6)) < 1.0:  # clip_grad_norm_'s coefficient, before its clamp
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+        return float(norm)
 
     def _train_forward(self, ids: torch.Tensor, am: torch.Tensor, n: int) -> tuple[PolicyOutput, torch.Tensor]:
         policy_out = self._policy_forward(ids, am, n, entropy=True)
