@@ -45,13 +45,12 @@ GLIBC_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_T
 
 def configure_heap() -> None:
     """Keep freed memory in glibc's heap for the next allocations, and hand it back only at the
-    boundaries `release_free_heap` marks (after every PPO iteration and every stage). No block gets
-    its own mapping and the heap's top is never trimmed on a free: a freshly mapped page is zero-filled by the kernel on first touch, and a PPO
-    step makes and frees gigabytes of tensors (logits, gradients, the fp32 master gradients), so
-    with glibc's defaults a bf16 iteration spent 4-6 s of its ~35 in the kernel, the first of a
-    round ~19 s; reused from the heap, 1.6-3 s (tests/bench/README.md, "Heap retention"). Left
-    alone where the environment sets glibc's malloc (MALLOC_*_ or GLIBC_TUNABLES); a no-op
-    without glibc."""
+    boundaries `release_free_heap` marks (after every PPO iteration and every stage). No block
+    gets its own mapping and the heap's top is never trimmed on a free: a freshly mapped page is
+    zero-filled by the kernel on first touch, and a PPO step makes and frees gigabytes of tensors
+    (logits, gradients, the fp32 master gradients). The price is some spread of the heap at the
+    update's peak (tests/bench/README.md, "The heap kept for reuse"). Left alone where the environment sets glibc's malloc (MALLOC_*_ or
+    GLIBC_TUNABLES); a no-op without glibc."""
     if any(k in os.environ for k in GLIBC_MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return
     with contextlib.suppress(OSError, AttributeError):
