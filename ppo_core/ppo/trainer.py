@@ -329,9 +329,8 @@ class PPOTrainer:
 
     def _clip_gradients(self, opt: torch.optim.Optimizer) -> float:
         """Total gradient norm before clipping; clip_grad_norm_ without its pass multiplying by 1."""
-        params = opt.param_groups[0]["params"]
+        params, limit = opt.param_groups[0]["params"], self.config.max_grad_norm or float("inf")
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        limit = self.config.max_grad_norm or float("inf")
         if float(limit / (norm + 1e-6)) < 1.0:  # clip_grad_norm_'s coefficient, before its clamp
             torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
         return float(norm)
@@ -392,8 +391,7 @@ class PPOTrainer:
         checkpointing.load_state_dict(self, state)
 
     def save(self, root: str | Path) -> Path:
-        """Atomically checkpoint as root/iter-NNNNNN (ppo_core.ppo.checkpointing): rank 0 writes
-        the replicas' state, or every rank its shards under `ppo.sharding: fsdp`."""
+        """Atomically checkpoint as root/iter-NNNNNN (ppo_core.ppo.checkpointing; sharded: per rank)."""
         return checkpointing.save(self, root)
 
     def load(self, root_or_folder: str | Path) -> Path | None:
