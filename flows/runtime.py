@@ -49,8 +49,8 @@ def configure_heap() -> None:
     gets its own mapping and the heap's top is never trimmed on a free: a freshly mapped page is
     zero-filled by the kernel on first touch, and a PPO step makes and frees gigabytes of tensors
     (logits, gradients, the fp32 master gradients). The price is some spread of the heap at the
-    update's peak (tests/bench/README.md, "The heap kept for reuse"). Left alone where the environment sets glibc's malloc (MALLOC_*_ or
-    GLIBC_TUNABLES); a no-op without glibc."""
+    update's peak (tests/bench/README.md, "The heap kept for reuse"). Left alone where the
+    environment sets glibc's malloc (MALLOC_*_ or GLIBC_TUNABLES); a no-op without glibc."""
     if any(k in os.environ for k in GLIBC_MALLOC_ENV) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
         return
     with contextlib.suppress(OSError, AttributeError):
