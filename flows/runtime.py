@@ -27,6 +27,11 @@ DEFAULTS = {
     # library code also logs outside runs (torchrun workers, notebooks): no warning for each
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
     "TOKENIZERS_PARALLELISM": "false",
+    # oneDNN (torch's bf16 matmuls on a CPU) keeps up to 1,024 compiled primitives, one per
+    # shape: generation's growing lengths and the stages' batch shapes fill it, and its entries,
+    # long-lived and scattered, keep the heap from reusing freed blocks (tests/bench/README.md,
+    # "oneDNN's primitive cache"). At 128 a PPO iteration ran within 2 % of its time there.
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128",
     "GIT_PYTHON_REFRESH": "quiet",
 }
 

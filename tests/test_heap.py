@@ -114,3 +114,38 @@ def test_the_ppo_loop_hands_the_free_heap_back_after_every_iteration(trainer_fac
     workers._run_iterations(trainer, job)
     assert seen == [1, 2, 3]
     assert saves == [2, 3]  # after iterations 2 and 3, each after that iteration's release
+
+
+PRIMITIVE_PROBE = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from flows.runtime import configure_environment
+configure_environment(sys.argv[2])
+import torch
+w = torch.randn(64, 64, dtype=torch.bfloat16)
+for rows in [*range(2, 132), 2]:  # 130 shapes, then the first again (1 row is no matmul)
+    torch.nn.functional.linear(torch.randn(rows, 64, dtype=torch.bfloat16), w)
+"""
+
+
+@pytest.mark.parametrize(("user_capacity", "first_shape_again"), [(None, "cache_miss"), ("1024", "cache_hit")])
+def test_onednn_keeps_a_bounded_primitive_cache_unless_the_user_sets_one(
+    tmp_path: Path, user_capacity: str | None, first_shape_again: str
+) -> None:
+    """flows.runtime.configure_environment bounds oneDNN's primitive cache at 128 entries: after
+    130 bf16 matmul shapes the first one is compiled again (oneDNN's verbose log says cache_miss);
+    with the user's own ONEDNN_PRIMITIVE_CACHE_CAPACITY (here oneDNN's default, 1024) it is still
+    cached. Fresh processes: oneDNN reads the capacity once."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    env["ONEDNN_VERBOSE"] = "profile_create"
+    if user_capacity:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_capacity
+    done = subprocess.run([sys.executable, "-c", PRIMITIVE_PROBE, str(REPO), str(tmp_path)], env=env,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    creates = [line for line in done.stdout.splitlines() if ",primitive,create:" in line and ",matmul," in line]
+    if not creates:
+        pytest.skip("torch runs bf16 matmuls without oneDNN on this CPU")
+    assert len(creates) == 131, len(creates)
+    assert all("create:cache_miss" in line for line in creates[:130])
+    assert f"create:{first_shape_again}" in creates[-1], creates[-1]
