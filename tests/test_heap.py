@@ -1,7 +1,8 @@
 """The C heap in the pipeline's processes (flows.runtime, flows.workers): `configure_heap`
-keeps freed memory for reuse (no page faults for the next step's tensors), and
-`release_free_heap` hands it back after every PPO iteration. Probed with plain malloc in fresh
-processes: no models needed."""
+keeps freed memory for reuse (no page faults for the next step's tensors), `release_free_heap`
+hands it back after every PPO iteration, and `configure_environment` bounds oneDNN's primitive
+cache, whose scattered entries would keep freed blocks from reuse. Probed in fresh processes
+(plain malloc, small matmuls): no models needed."""
 
 from __future__ import annotations
 
