@@ -217,8 +217,7 @@ def run_case(name: str, iterations: int, threads: int) -> dict[str, Any]:
     estimate = _estimate(cfg, prompt_tokens, prefix, case.get("frozen_bf16", False), trainer.compute_dtype == torch.bfloat16)
     ppo, hidden = cfg.ppo, trainer.policy.config.hidden_size
     rows = training_rows(ppo.algo, ppo.processes)
-    eager = trainer.policy.config._attn_implementation == "eager"  # bf16 training on a CPU
-    tokens = training_tokens(ppo.algo, rows, prompt_tokens + ppo.sampling.max_new_tokens, prefix, hidden, eager)
+    tokens = training_tokens(ppo.algo, rows, prompt_tokens + ppo.sampling.max_new_tokens, prefix, hidden)
     packed_activations = estimate.activations * packed_tokens // tokens
     return {
         "case": name,

@@ -136,32 +136,6 @@ def test_critic_values_and_final_hidden_states_equal_the_plain_forward(budget: i
     torch.testing.assert_close(packed[keep_valid], plain[keep_valid], atol=1e-5, rtol=1e-5)
 
 
-def test_eager_attention_packs_rows_of_half_the_hidden_size_with_the_same_outputs() -> None:
-    """Eager attention keeps each packed row's [heads, L, L] probabilities for the backward, so its
-    rows get half the hidden size (32 -> 16 tokens; the longest row, 19, wins): 4 packed rows
-    instead of 2 for this batch, and log-probs and gradients still equal the plain forward's."""
-    ids, mask, n = _ragged_batch()
-    longest = int((packing.end_column(mask) - packing.first_real_column(mask)).max())
-    models = {}
-    for attention in ("sdpa", "eager", "eager-plain"):
-        models[attention] = tiny_llama(seed=1)
-        models[attention].set_attn_implementation(attention.removesuffix("-plain"))
-    assert [packing.pack_budget(models[a], 0) for a in ("sdpa", "eager")] == [32, 16]
-    assert packing.pack_budget(models["eager"], longest) == longest == 19
-    rows = {a: pack(ids, mask, n + 1, packing.pack_budget(models[a], longest)).input_ids.shape[0] for a in ("sdpa", "eager")}
-    assert rows == {"sdpa": 2, "eager": 4}
-    results = {}
-    for attention, model in models.items():
-        logprobs, _ = response_logprobs(model, ids, mask, n, packed=attention != "eager-plain")
-        (logprobs * mask[:, -n:]).sum().backward()
-        results[attention] = (logprobs.detach(), {k: p.grad.clone() for k, p in model.named_parameters()})
-    valid = mask[:, -n:].bool()
-    (packed_lp, packed_grads), (plain_lp, plain_grads) = results["eager"], results["eager-plain"]
-    torch.testing.assert_close(packed_lp[valid], plain_lp[valid], atol=1e-5, rtol=1e-5)
-    for key, grad in plain_grads.items():
-        torch.testing.assert_close(packed_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
-
-
 class ScaledHeadLlama(LlamaForCausalLM):
     """A head with post-processing (like Gemma's softcapping) that a packed trunk would skip."""
 

@@ -12,8 +12,8 @@ the shared prefix, and gives attention a block mask:
 Positions restart after the prefix for each row (p, p+1, ...), so every token sees the same
 keys at the same positions as in the plain forward: same math, and one weight-gradient GEMM
 per layer for the whole batch. Attention over a packed row costs O(length^2), so rows are
-spread over packed rows of about `hidden_size` tokens each (half that under eager attention, see
-`packed_row_budget`), each with its own copy of the prefix.
+spread over packed rows of about `hidden_size` tokens each (see `pack_budget`), each with its
+own copy of the prefix.
 
 Only where it is exact: attention implementations that take a 4D additive mask (sdpa, eager),
 no sliding window, and an LM head that is a plain projection of the trunk's last hidden state
@@ -164,22 +164,12 @@ def plain_head(model: nn.Module) -> bool:
     return model.__dict__[HEAD_CHECK_ATTR]
 
 
-def packed_row_budget(hidden_size: int, eager_attention: bool) -> int:
-    """Tokens per packed row before the longest row is considered: the hidden size, halved under
-    eager attention. Per token, attention over a packed row costs in proportion to the row's
-    length and the linear layers in proportion to the hidden size, so the hidden size keeps the
-    first from outgrowing the second. Eager attention (bf16 training on a CPU,
-    ppo_core.lm.precision) also keeps every layer's [heads, L, L] probabilities for the backward,
-    twice (the fp32 softmax and its compute-dtype copy), so its rows get half: fewer wasted
-    masked cells, the same speed (measurements: tests/bench/README.md)."""
-    return hidden_size // 2 if eager_attention else hidden_size
-
-
 def pack_budget(model: nn.Module, longest: int) -> int:
-    """Tokens per packed row of `model`: `packed_row_budget`, or the longest row if that is longer."""
-    config = unwrap_peft(model).config
-    eager = getattr(config, "_attn_implementation", None) == "eager"
-    return max(longest, packed_row_budget(int(config.hidden_size), eager))
+    """Tokens per packed row: the model's hidden size, or the longest row if that is longer.
+    Per token, attention over a packed row costs in proportion to the row's length and the linear
+    layers in proportion to the hidden size, so this budget keeps the first from outgrowing the
+    second (measurements: tests/bench/README.md)."""
+    return max(longest, int(unwrap_peft(model).config.hidden_size))
 
 
 def response_states(

@@ -62,7 +62,6 @@ from ppo_core.data.prompts import BUILTIN, load_prompts
 from ppo_core.data.records import is_local_file
 from ppo_core.lm.lora import LoRAConfig
 from ppo_core.lm.models import _pretrained_args, resolve_source, transformer_blocks, trunk
-from ppo_core.lm.packing import packed_row_budget
 from ppo_core.ppo.config import PPOConfig
 
 FP32 = 4
@@ -187,15 +186,14 @@ def layer_activation_elements(shape: TrunkShape, seq: int) -> int:
     return 4 * h + 5 * ad + mlp + scores
 
 
-def training_tokens(algo: PPOConfig, rows: int, seq: int, shared_prefix: int, hidden: int, eager: bool = False) -> int:
+def training_tokens(algo: PPOConfig, rows: int, seq: int, shared_prefix: int, hidden: int) -> int:
     """Tokens one training forward runs: the rectangle rows x seq, or packed
     (ppo_core.lm.packing) the rows behind one copy per packed row of the `shared_prefix` all
-    prompts start with, packed rows holding about max(seq, budget) tokens (`packed_row_budget`)."""
+    prompts start with, packed rows holding about max(seq, hidden) tokens (`pack_budget`)."""
     if not algo.pack_sequences or shared_prefix == 0 or rows < 2:
         return rows * seq
     rest = rows * (seq - shared_prefix)
-    budget = max(seq, packed_row_budget(hidden, eager))
-    packed_rows = min(rows, math.ceil(rest / max(budget - shared_prefix, 1)))
+    packed_rows = min(rows, math.ceil(rest / max(max(seq, hidden) - shared_prefix, 1)))
     return rest + shared_prefix * packed_rows
 
 
@@ -333,7 +331,7 @@ def estimate_ppo_memory(
     masters = trainable * FP32 if shards == 1 and elem < FP32 else 0
     rollout_rows, rows = algo.batch_size // processes, training_rows(algo, processes)
     seq = prompt_tokens + sampling.max_new_tokens
-    tokens = training_tokens(algo, rows, seq, shared_prefix_tokens, shape.hidden, shape.eager_attention)
+    tokens = training_tokens(algo, rows, seq, shared_prefix_tokens, shape.hidden)
     activations = activation_bytes(shape, tokens, seq, elem, gradient_checkpointing)
     if algo.critic == "separate":
         critic_shape = TrunkShape.of(critic_backbone) if critic_backbone is not None else shape
