@@ -15,7 +15,7 @@ per layer for the whole batch. Attention over a packed row costs O(length^2), so
 spread over packed rows of about `hidden_size` tokens each (see `pack_budget`), each with its
 own copy of the prefix.
 
-Only where it is exact: attention implementations that take a 4D additive mask (sdpa, eager),
+Only where it is exact: attention implementations that take a 4D mask (sdpa, eager, ppo_core's),
 no sliding window, and an LM head that is a plain projection of the trunk's last hidden state
 (checked once per model on a 4-token input). Anything else takes the plain forward. Gradient
 checkpointing keeps packing: a checkpointed layer is recomputed with the arguments of its first
@@ -30,9 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ppo_core.lm.attention import ATTENTION_NAME
 from ppo_core.lm.models import trunk, unwrap_peft
 
 HEAD_CHECK_ATTR = "_ppo_core_plain_head"
+ADDITIVE_MASK_ATTENTION = ("eager", ATTENTION_NAME)  # take the block mask as bias added to the scores
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,7 @@ def has_lm_head(model: nn.Module) -> bool:
 
 def can_pack(model: nn.Module) -> bool:
     config = unwrap_peft(model).config
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", *ADDITIVE_MASK_ATTENTION):
         return False
     if getattr(config, "sliding_window", None) or (getattr(config, "layer_types", None) and any(
         t != "full_attention" for t in config.layer_types
@@ -192,7 +194,7 @@ def response_states(
         return _plain_states(model, input_ids, attention_mask, keep, logits, hidden)
     longest = int((end_column(attention_mask) - first_real_column(attention_mask)).max())
     plan = pack(input_ids, attention_mask, keep, pack_budget(model, longest))
-    eager = unwrap_peft(model).config._attn_implementation == "eager"
+    eager = unwrap_peft(model).config._attn_implementation in ADDITIVE_MASK_ATTENTION
     out = trunk(model)(
         input_ids=plan.input_ids,
         attention_mask=plan.attention_mask(next(model.parameters()).dtype if eager else None),

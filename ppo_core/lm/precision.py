@@ -22,6 +22,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ppo_core.lm import attention
+
 Precision = Literal["auto", "fp32", "bf16"]
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -134,10 +136,18 @@ def prefer_eager_attention(module: nn.Module, device: torch.device, dtype: torch
     """Trained models on a CPU in bf16 use eager attention instead of sdpa: there torch's
     flash-attention backward costs ~10x its forward (a MiniLM reward-model step 0.35 -> 0.19 s,
     a SmolLM2 forward + backward over 16 x 75 tokens 2.54 -> 2.09 s). Same math: softmax(QK^T/sqrt(d)
-    + mask) V either way. Elsewhere (CUDA, fp32) the models keep what they were loaded with."""
+    + mask) V either way. Llama-style decoders without attention dropout get ppo_core's eager
+    attention (the same gradients, one copy of the probabilities saved instead of two:
+    ppo_core.lm.attention), other models their own. Elsewhere (CUDA, fp32) the models keep what
+    they were loaded with."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return
     for sub in module.modules():
         config = getattr(sub, "config", None)
         if hasattr(sub, "set_attn_implementation") and getattr(config, "_attn_implementation", None) == "sdpa":
-            sub.set_attn_implementation("eager")
+            sub.set_attn_implementation(_eager_attention_for(config))
+
+
+def _eager_attention_for(config) -> str:
+    plain = config.model_type in attention.PLAIN_EAGER_MODEL_TYPES and not getattr(config, "attention_dropout", 0.0)
+    return attention.register() if plain else "eager"

@@ -62,6 +62,7 @@ from ppo_core.data.prompts import BUILTIN, load_prompts
 from ppo_core.data.records import is_local_file
 from ppo_core.lm.lora import LoRAConfig
 from ppo_core.lm.models import _pretrained_args, resolve_source, transformer_blocks, trunk
+from ppo_core.lm.packing import ADDITIVE_MASK_ATTENTION
 from ppo_core.ppo.config import PPOConfig
 
 FP32 = 4
@@ -104,7 +105,7 @@ class TrunkShape:
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
             gated_mlp=any("gate" in name for name, _ in blocks[0].named_modules()),
-            eager_attention=getattr(config, "_attn_implementation", None) == "eager",
+            eager_attention=getattr(config, "_attn_implementation", None) in ADDITIVE_MASK_ATTENTION,
             vocab=int(config.vocab_size),
         )
 
@@ -176,8 +177,8 @@ def layer_activation_elements(shape: TrunkShape, seq: int) -> int:
                the output projection's (contiguous) input;
       4I / 2I  a gated MLP keeps gate, act(gate), up and their product; a plain one fc1's
                output and the activation's;
-      a*s      attention probabilities, only under eager attention (sdpa's fused kernels keep
-               a log-sum-exp per row instead).
+      a*s      attention probabilities, only under eager attention (the model's or
+               ppo_core.lm.attention; sdpa's fused kernels keep a log-sum-exp per row instead).
     A GPT-2 layer (I = 4h, a*d = h, plain MLP) gives 4h + 5h + 8h = 17h: Korthikanti's 34h.
     """
     h, ad = shape.hidden, shape.heads * shape.head_dim
