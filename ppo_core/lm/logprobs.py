@@ -6,7 +6,8 @@ Sequences are [left-padded prompt | right-padded response]. Three details matter
 - logits are divided by the sampling temperature before the softmax, so pi_theta is the
   distribution the tokens were actually drawn from;
 - the log-softmax is never materialised for the whole batch: we gather the sampled logit
-  and subtract a logsumexp, a chunk of rows at a time.
+  and subtract a logsumexp, a chunk of rows at a time, in fp32; for the backward only the
+  logits as the model produced them are kept (bf16 ones are not kept a second time in fp32).
 """
 
 from __future__ import annotations
@@ -24,23 +25,48 @@ __all__ = [
 
 
 def _row_chunks(logits: torch.Tensor, index: torch.Tensor, chunk_size: int):
-    """(fp32 logit rows [c, V], their sampled indices [c]) for chunks of at most chunk_size rows;
-    one empty chunk for no rows."""
+    """(logit rows [c, V] in the logits' dtype, their sampled indices [c]) for chunks of at most
+    chunk_size rows; one empty chunk for no rows."""
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_index = index.reshape(-1)
     for start in range(0, max(flat_logits.shape[0], 1), chunk_size):
-        yield flat_logits[start : start + chunk_size].float(), flat_index[start : start + chunk_size]
+        yield flat_logits[start : start + chunk_size], flat_index[start : start + chunk_size]
 
 
 def _picked(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, index[:, None]).squeeze(-1)
 
 
+class _PickedLogSoftmax(torch.autograd.Function):
+    """(log softmax(rows)[index], the rows' entropy or an empty tensor), fp32, from logit rows
+    [c, V] in any float dtype. Saves the rows as they come (bf16: half the bytes of the fp32 copy
+    autograd would keep for logsumexp) and their logsumexp; the backward reads the rows in fp32
+    again and computes what autograd computes through logsumexp and gather, bit for bit, with one
+    fp32 [c, V] buffer: d/d rows = onehot(index) * g - softmax(rows) * g. The entropy gets no
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, with_entropy: bool):
+        full = rows.float()
+        lse = torch.logsumexp(full, dim=-1)
+        ctx.save_for_backward(rows, index, lse)
+        entropy = entropy_from_logits(full, lse) if with_entropy else lse.new_empty(0)
+        ctx.mark_non_differentiable(entropy)
+        return _picked(full, index) - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _entropy_grad: torch.Tensor):
+        rows, index, lse = ctx.saved_tensors
+        grad_rows = (rows - lse.unsqueeze(-1)).exp_()  # fp32: bf16 rows are promoted exactly, no copy
+        grad_rows.mul_((-grad).unsqueeze(-1)).scatter_add_(-1, index[:, None], grad[:, None])
+        return grad_rows.to(rows.dtype), None, None
+
+
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, chunk_size: int = 4096
 ) -> torch.Tensor:
-    """log softmax(logits)[index] along the last dim, chunked over rows to bound memory."""
-    picked = [_picked(rows, i) - torch.logsumexp(rows, dim=-1) for rows, i in _row_chunks(logits, index, chunk_size)]
+    """log softmax(logits)[index] along the last dim in fp32, chunked over rows to bound memory."""
+    picked = [_PickedLogSoftmax.apply(rows, i, False)[0] for rows, i in _row_chunks(logits, index, chunk_size)]
     return torch.cat(picked).view(index.shape)
 
 
@@ -52,10 +78,15 @@ def log_softmax_and_entropy(
     entropy is computed without autograd; the log-probs keep theirs."""
     logprobs, entropy = [], []
     for rows, i in _row_chunks(logits, index, chunk_size):
-        lse = torch.logsumexp(rows, dim=-1)
-        logprobs.append(_picked(rows, i) - lse)
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy.append(entropy_from_logits(rows, lse))
+        if entropy_grad and torch.is_grad_enabled():
+            full = rows.float()
+            lse = torch.logsumexp(full, dim=-1)
+            logprobs.append(_picked(full, i) - lse)
+            entropy.append(entropy_from_logits(full, lse))
+        else:
+            chunk_logprobs, chunk_entropy = _PickedLogSoftmax.apply(rows, i, True)
+            logprobs.append(chunk_logprobs)
+            entropy.append(chunk_entropy)
     return torch.cat(logprobs).view(index.shape), torch.cat(entropy).view(index.shape)
 
 
