@@ -39,7 +39,7 @@ def _loss(model: torch.nn.Module, packed: bool) -> torch.Tensor:
     return (logits.float() * weights).sum()
 
 
-def _saved_bytes(fn) -> int:
+def saved_tensor_bytes(fn) -> int:
     """Bytes of the distinct tensors autograd saves while `fn` runs its forward."""
     seen: dict[tuple[int, int], int] = {}
 
@@ -67,8 +67,8 @@ def test_saves_the_fp32_probabilities_and_not_their_bf16_copy() -> None:
     """Each layer's eager attention keeps P in fp32 (4 bytes) and in bf16 (2 bytes); ours only the
     fp32 one: 2 bytes less per probability, [rows, heads, L, L] per layer."""
     eager, ours = _bf16_llama("eager"), _bf16_llama(ATTENTION_NAME)
-    saved_eager = _saved_bytes(lambda: _loss(eager, packed=False))
-    saved_ours = _saved_bytes(lambda: _loss(ours, packed=False))
+    saved_eager = saved_tensor_bytes(lambda: _loss(eager, packed=False))
+    saved_ours = saved_tensor_bytes(lambda: _loss(ours, packed=False))
     rows, length = IDS.shape
     config = eager.config
     bf16_copies = config.num_hidden_layers * rows * config.num_attention_heads * length * length * 2

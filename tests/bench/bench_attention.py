@@ -22,8 +22,9 @@ import torch
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run as a script: make `ppo_core` importable from the checkout
+sys.path.insert(0, str(REPO))  # run as a script: make `ppo_core` and `tests.` importable from the checkout
 from ppo_core.lm.attention import attention_forward  # noqa: E402
+from tests.test_attention import saved_tensor_bytes  # noqa: E402
 
 
 class _Layer(torch.nn.Module):
@@ -40,16 +41,6 @@ def _inputs(args) -> tuple[torch.Tensor, ...]:
     mask = torch.zeros(args.rows, 1, args.length, args.length, dtype=torch.bfloat16)
     mask = mask.masked_fill(~causal, torch.finfo(torch.bfloat16).min)
     return leaf(args.heads), leaf(args.kv_heads), leaf(args.kv_heads), mask
-
-
-def _saved_bytes(fn) -> int:
-    seen: dict[tuple[int, int], int] = {}
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[(t.untyped_storage().data_ptr(), t.storage_offset())] = t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def main() -> None:
@@ -86,7 +77,7 @@ def main() -> None:
     print(f"rows {args.rows} x {args.heads} heads x {args.length}^2, {torch.get_num_threads()} threads, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for name, fn in impls.items():
-        saved = _saved_bytes(lambda fn=fn: forward(fn)) / 2**20
+        saved = saved_tensor_bytes(lambda fn=fn: forward(fn)) / 2**20
         cells = ", ".join(f"{part} min {min(ts):.1f} / median {statistics.median(ts):.1f} ms" for part, ts in times[name].items())
         print(f"{name:20s} saved {saved:6.1f} MiB; {cells}")
 
