@@ -167,14 +167,14 @@ class Stack:
         self.processes.append((name, proc, log))
         return proc
 
-    def wait_healthy(self, name: str, url: str, timeout: float = START_TIMEOUT) -> None:
+    def wait_healthy(self, name: str, url: str, timeout: float = START_TIMEOUT, auth: tuple[str, str] | None = None) -> None:
         proc, log = next((p, lg) for n, p, lg in self.processes if n == name)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 pytest.fail(f"{name} exited with {proc.returncode}:\n{tail(log)}")
             try:
-                if httpx.get(url, timeout=5).status_code == 200:
+                if httpx.get(url, timeout=5, auth=auth).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

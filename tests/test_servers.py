@@ -169,6 +169,10 @@ def stack() -> Iterator[Stack]:
         stack.mlflow_url = f"http://127.0.0.1:{mlflow_port}"
         stack.wait_healthy("prefect-server", f"{stack.prefect_url}/health")
         stack.wait_healthy("mlflow", f"{stack.mlflow_url}/health")
+        # /health answers before the tracking store does: the first API request opens the Postgres
+        # store, which on a loaded 2-core box took longer than the CLI's 10 s fail-fast timeout
+        login = (stack.logins["MLFLOW_TRACKING_USERNAME"], stack.logins["MLFLOW_TRACKING_PASSWORD"])
+        stack.wait_healthy("mlflow", f"{stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1", auth=login)
 
         # init's Prefect commands, verbatim (the bucket is MinIO's business, not tested here)
         for argv in command_lines(services["init"]):
