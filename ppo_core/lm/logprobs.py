@@ -37,6 +37,14 @@ def _picked(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return rows.gather(-1, index[:, None]).squeeze(-1)
 
 
+def _fp32_logprobs(rows: torch.Tensor, index: torch.Tensor, with_entropy: bool):
+    """(log softmax[index], entropy or an empty tensor, logsumexp) of one chunk, from one fp32 copy."""
+    full = rows.float()
+    lse = torch.logsumexp(full, dim=-1)
+    entropy = entropy_from_logits(full, lse) if with_entropy else lse.new_empty(0)
+    return _picked(full, index) - lse, entropy, lse
+
+
 class _PickedLogSoftmax(torch.autograd.Function):
     """(log softmax(rows)[index], the rows' entropy or an empty tensor), fp32, from logit rows
     [c, V] in any float dtype. Saves the rows as they come (bf16: half the bytes of the fp32 copy
@@ -47,12 +55,10 @@ class _PickedLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, index: torch.Tensor, with_entropy: bool):
-        full = rows.float()
-        lse = torch.logsumexp(full, dim=-1)
+        logprobs, entropy, lse = _fp32_logprobs(rows, index, with_entropy)
         ctx.save_for_backward(rows, index, lse)
-        entropy = entropy_from_logits(full, lse) if with_entropy else lse.new_empty(0)
         ctx.mark_non_differentiable(entropy)
-        return _picked(full, index) - lse, entropy
+        return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _entropy_grad: torch.Tensor):
@@ -78,15 +84,12 @@ def log_softmax_and_entropy(
     entropy is computed without autograd; the log-probs keep theirs."""
     logprobs, entropy = [], []
     for rows, i in _row_chunks(logits, index, chunk_size):
-        if entropy_grad and torch.is_grad_enabled():
-            full = rows.float()
-            lse = torch.logsumexp(full, dim=-1)
-            logprobs.append(_picked(full, i) - lse)
-            entropy.append(entropy_from_logits(full, lse))
+        if entropy_grad and torch.is_grad_enabled():  # autograd through both
+            chunk_logprobs, chunk_entropy, _ = _fp32_logprobs(rows, i, True)
         else:
             chunk_logprobs, chunk_entropy = _PickedLogSoftmax.apply(rows, i, True)
-            logprobs.append(chunk_logprobs)
-            entropy.append(chunk_entropy)
+        logprobs.append(chunk_logprobs)
+        entropy.append(chunk_entropy)
     return torch.cat(logprobs).view(index.shape), torch.cat(entropy).view(index.shape)
 
 
